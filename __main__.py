@@ -1,0 +1,3 @@
+from npuc.cli.main import main
+
+main()

@@ -1,0 +1,121 @@
+"""The `.om` model definition: a protobuf schema, built in code so that npuc
+needs no protoc at build time. `PROTO_TEXT` is the same schema as .proto text
+(docs/om-format.md shows it; a test checks the two agree).
+
+Writer and reader both use these classes; serialisation is deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+PACKAGE = "npuc.om.v1"
+
+# (message, [(field, number, type, label, message type)])
+_T = descriptor_pb2.FieldDescriptorProto
+_OPT, _REP = _T.LABEL_OPTIONAL, _T.LABEL_REPEATED
+_MESSAGES: list[tuple[str, list[tuple[str, int, int, int, str | None]]]] = [
+    ("IntList", [("values", 1, _T.TYPE_INT64, _REP, None)]),
+    ("FloatList", [("values", 1, _T.TYPE_DOUBLE, _REP, None)]),
+    ("AttrValue", [
+        ("i", 1, _T.TYPE_INT64, _OPT, None),
+        ("f", 2, _T.TYPE_DOUBLE, _OPT, None),
+        ("s", 3, _T.TYPE_STRING, _OPT, None),
+        ("b", 4, _T.TYPE_BOOL, _OPT, None),
+        ("dtype", 5, _T.TYPE_STRING, _OPT, None),
+        ("ints", 6, _T.TYPE_MESSAGE, _OPT, "IntList"),
+        ("floats", 7, _T.TYPE_MESSAGE, _OPT, "FloatList"),
+        ("none", 8, _T.TYPE_BOOL, _OPT, None),
+    ]),
+    ("Attr", [("name", 1, _T.TYPE_STRING, _OPT, None), ("value", 2, _T.TYPE_MESSAGE, _OPT, "AttrValue")]),
+    ("TensorDesc", [
+        ("name", 1, _T.TYPE_STRING, _OPT, None),
+        ("dtype", 2, _T.TYPE_STRING, _OPT, None),
+        ("shape", 3, _T.TYPE_INT64, _REP, None),
+        ("region", 4, _T.TYPE_STRING, _OPT, None),  # "arena" | "weights"
+        ("offset", 5, _T.TYPE_UINT64, _OPT, None),
+        ("nbytes", 6, _T.TYPE_UINT64, _OPT, None),
+        ("format", 7, _T.TYPE_STRING, _OPT, None),
+    ]),
+    ("Op", [
+        ("op", 1, _T.TYPE_STRING, _OPT, None),
+        ("name", 2, _T.TYPE_STRING, _OPT, None),
+        ("inputs", 3, _T.TYPE_INT32, _REP, None),
+        ("outputs", 4, _T.TYPE_INT32, _REP, None),
+        ("attrs", 5, _T.TYPE_MESSAGE, _REP, "Attr"),
+        ("unit", 6, _T.TYPE_STRING, _OPT, None),
+    ]),
+    ("Buffer", [
+        ("tensor", 1, _T.TYPE_INT32, _OPT, None),
+        ("first_step", 2, _T.TYPE_INT32, _OPT, None),
+        ("last_step", 3, _T.TYPE_INT32, _OPT, None),
+    ]),
+    ("MemoryPlan", [
+        ("alignment", 1, _T.TYPE_UINT64, _OPT, None),
+        ("arena_bytes", 2, _T.TYPE_UINT64, _OPT, None),
+        ("lower_bound_bytes", 3, _T.TYPE_UINT64, _OPT, None),
+        ("buffers", 4, _T.TYPE_MESSAGE, _REP, "Buffer"),
+    ]),
+    ("Program", [
+        ("name", 1, _T.TYPE_STRING, _OPT, None),
+        ("inputs", 2, _T.TYPE_INT32, _REP, None),
+        ("outputs", 3, _T.TYPE_INT32, _REP, None),
+        ("ops", 4, _T.TYPE_MESSAGE, _REP, "Op"),
+        ("plan", 5, _T.TYPE_MESSAGE, _OPT, "MemoryPlan"),
+    ]),
+    ("MetaEntry", [("key", 1, _T.TYPE_STRING, _OPT, None), ("value", 2, _T.TYPE_STRING, _OPT, None)]),
+    ("ModelDef", [
+        ("producer", 1, _T.TYPE_STRING, _OPT, None),
+        ("producer_version", 2, _T.TYPE_STRING, _OPT, None),
+        ("target", 3, _T.TYPE_STRING, _OPT, None),
+        ("tensors", 4, _T.TYPE_MESSAGE, _REP, "TensorDesc"),
+        ("programs", 5, _T.TYPE_MESSAGE, _REP, "Program"),
+        ("weights_bytes", 6, _T.TYPE_UINT64, _OPT, None),
+        ("metadata", 7, _T.TYPE_MESSAGE, _REP, "MetaEntry"),
+    ]),
+]
+
+
+def _build() -> dict[str, Any]:
+    fdp = descriptor_pb2.FileDescriptorProto(name="npuc_om_v1.proto", package=PACKAGE, syntax="proto3")
+    for mname, fields in _MESSAGES:
+        m = fdp.message_type.add(name=mname)
+        for fname, num, ftype, label, mtype in fields:
+            f = m.field.add(name=fname, number=num, type=ftype, label=label)
+            if mtype:
+                f.type_name = f".{PACKAGE}.{mtype}"
+            if ftype == _T.TYPE_MESSAGE or label == _REP:
+                continue
+            # Explicit presence, so an attribute's kind is known from which field is set.
+            f.proto3_optional = True
+            f.oneof_index = len(m.oneof_decl)
+            m.oneof_decl.add(name=f"_{fname}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{name}"))
+            for name, _ in _MESSAGES}
+
+
+_CLASSES = _build()
+ModelDef = _CLASSES["ModelDef"]
+TensorDesc = _CLASSES["TensorDesc"]
+Program = _CLASSES["Program"]
+Op = _CLASSES["Op"]
+AttrValue = _CLASSES["AttrValue"]
+
+
+def proto_text() -> str:
+    """The schema as .proto source, for the format documentation."""
+    names = {_T.TYPE_INT64: "int64", _T.TYPE_UINT64: "uint64", _T.TYPE_INT32: "int32", _T.TYPE_DOUBLE: "double",
+             _T.TYPE_STRING: "string", _T.TYPE_BOOL: "bool"}
+    lines = ['syntax = "proto3";', f"package {PACKAGE};", ""]
+    for mname, fields in _MESSAGES:
+        lines.append(f"message {mname} {{")
+        for fname, num, ftype, label, mtype in fields:
+            t = mtype if mtype else names[ftype]
+            pre = "repeated " if label == _REP else ("" if mtype else "optional ")
+            lines.append(f"  {pre}{t} {fname} = {num};")
+        lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,143 @@
+"""The `npuc` command line.
+
+    npuc compile MODEL --input_shape "input_ids:1,16" --output build/model   # -> build/model.om
+    npuc run build/model.om --input input_ids=ids.npy --output-dir out/
+    npuc dump build/model.om
+
+A user mistake prints one line (`error NPUC-E####: ...`) and a hint, and exits
+with the error's code; only `--debug` shows a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import click
+
+import npuc
+from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, InternalError, NpucError
+
+REPORT_URL = "the npuc issue tracker"
+
+
+def _fail(e: NpucError) -> None:
+    click.echo(f"npuc: {e.render()}", err=True)
+    sys.exit(e.exit_code)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = kwargs.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except NpucError as e:
+            if debug:
+                raise
+            _fail(e)
+        except (InternalError, Exception) as e:
+            if debug or isinstance(e, (click.exceptions.Exit, click.ClickException)):
+                raise
+            kind = "an internal invariant broke" if isinstance(e, InternalError) else type(e).__name__
+            click.echo(f"npuc: internal error ({kind}): {str(e).splitlines()[0] if str(e) else ''}\n"
+                       f"  this is a bug in npuc, not in your model: rerun with --debug and report it to {REPORT_URL}",
+                       err=True)
+            sys.exit(EXIT_COMPILE)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(npuc.__version__, "--version", prog_name="npuc", message="%(prog)s %(version)s")
+def main() -> None:
+    """npuc: an ahead-of-time compiler for transformer LLMs."""
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--model", "model_opt", help="Model path (ATC spelling; same as the argument).")
+@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
+@click.option("--output", required=True, help="Output prefix: writes <output>.om.")
+@click.option("--soc_version", "--soc-version", "soc_version", default=None, help="Target: npu (default) or cpu.")
+@click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
+@handle_errors
+def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str,  # noqa: A001
+            soc_version: str | None, debug: bool) -> None:
+    """Compile MODEL (.pt2 or Hugging Face checkpoint folder) to a .om file."""
+    _quiet_libraries()
+    source = model or model_opt
+    if not source:
+        raise NpucError("NPUC-E0109", "no model given", "npuc compile MODEL --input_shape ... --output PREFIX",
+                        exit_code=EXIT_USAGE)
+    from npuc.compiler.driver import compile_model
+
+    path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug)
+    click.echo(f"wrote {path}")
+
+
+def _parse_input_flag(items: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for it in items:
+        name, sep, path = it.partition("=")
+        if not sep or not name or not path:
+            raise NpucError("NPUC-E0110", f"bad --input {it!r}", "write --input NAME=FILE.npy", exit_code=EXIT_USAGE)
+        out[name] = path
+    return out
+
+
+@main.command()
+@click.argument("om")
+@click.option("--input", "inputs", multiple=True, help="NAME=FILE.npy, once per model input.")
+@click.option("--output-dir", "--output_dir", "output_dir", required=True, help="Writes <output name>.npy here.")
+@click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: bool) -> None:
+    """Run a compiled .om on .npy inputs."""
+    import numpy as np
+
+    from npuc.runtime import Session
+
+    sess = Session.load(om, device=device)
+    feeds = {}
+    for name, path in _parse_input_flag(inputs).items():
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise NpucError("NPUC-E0401", f"cannot read input {name!r} from {path!r}: {e}",
+                            "inputs are .npy files written by numpy.save", exit_code=EXIT_IO) from None
+    outs = sess.run(feeds)
+    os.makedirs(output_dir, exist_ok=True)
+    for name, t in outs.items():
+        fname = "".join(c if c.isalnum() or c in "._-" else "_" for c in name) + ".npy"
+        np.save(os.path.join(output_dir, fname), t.cpu().numpy())
+        click.echo(f"{name}: {t.dtype}{list(t.shape)} -> {os.path.join(output_dir, fname)}")
+
+
+@main.command()
+@click.argument("om")
+@click.option("--summary", is_flag=True, help="Only the header and op counts.")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def dump(om: str, summary: bool, debug: bool) -> None:
+    """Print the compiled program: ops, shapes and planned offsets."""
+    from npuc.runtime.listing import render_listing
+
+    click.echo(render_listing(om, summary=summary))
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+if __name__ == "__main__":
+    main()

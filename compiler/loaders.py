@@ -1,0 +1,214 @@
+"""Model sources for the torch frontend: an nn.Module, a saved `.pt2`, or a local
+Hugging Face checkpoint directory (`config.json` + `*.safetensors`).
+
+For a checkpoint directory the module is built with its parameters on no real
+memory (uninitialised storage, never touched), exported, and each weight becomes
+a `SafetensorsSource` that reads its tensor only when the backend writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
+from npuc.ir import ConstSource, TensorSource
+
+_INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"}
+
+
+class SafetensorsSource:
+    """One tensor of a safetensors file, read on demand and cast to the model's dtype."""
+
+    def __init__(self, path: str, key: str, dtype: torch.dtype) -> None:
+        self.path, self.key, self.dtype = path, key, dtype
+
+    def load(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(self.key).to(self.dtype)
+
+    def describe(self) -> str:
+        return f"{os.path.basename(self.path)}:{self.key}"
+
+
+@dataclass
+class LoadedModel:
+    module: nn.Module
+    kind: str  # "module" | "pt2" | "hf"
+    fixed_kwargs: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, ConstSource] = field(default_factory=dict)
+    input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    def resolve(self, fqn: str, tensor: torch.Tensor | None) -> ConstSource:
+        if fqn in self.sources:
+            return self.sources[fqn]
+        if tensor is None:
+            raise NpucError("NPUC-E0305", f"no data for weight {fqn!r}", "the checkpoint is incomplete",
+                            exit_code=EXIT_IO)
+        return TensorSource(tensor.detach(), "module")
+
+
+def load_source(model: Any) -> LoadedModel:
+    if isinstance(model, nn.Module):
+        return LoadedModel(model.eval(), "module")
+    if isinstance(model, torch.export.ExportedProgram):
+        return LoadedModel(model.module(), "pt2", input_dtypes=_ep_input_dtypes(model))
+    path = Path(os.fspath(model))
+    if not path.exists():
+        raise NpucError("NPUC-E0401", f"model path {str(path)!r} does not exist",
+                        "pass a .pt2 file, a Hugging Face checkpoint folder or an .onnx file", exit_code=EXIT_IO)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise NpucError("NPUC-E0103", f"{str(path)!r} is a folder without config.json",
+                            "a Hugging Face checkpoint folder holds config.json and *.safetensors",
+                            exit_code=EXIT_USAGE)
+        return load_hf_dir(path)
+    if path.suffix == ".pt2":
+        try:
+            ep = torch.export.load(str(path))
+        except Exception as e:  # a corrupt archive is a user problem, not a crash
+            raise NpucError("NPUC-E0402", f"cannot read {str(path)!r} as a torch.export archive: {e}",
+                            "save it with torch.export.save(ep, path)", exit_code=EXIT_IO) from None
+        loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep))
+        loaded.files.append(str(path))
+        return loaded
+    raise NpucError("NPUC-E0103", f"cannot tell what kind of model {str(path)!r} is",
+                    "npuc reads .pt2 files and Hugging Face checkpoint folders (ONNX support is in progress)",
+                    exit_code=EXIT_USAGE)
+
+
+def _ep_input_dtypes(ep: torch.export.ExportedProgram) -> dict[str, torch.dtype]:
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind.name == "USER_INPUT" and hasattr(spec.arg, "name"):
+            for n in ep.graph.nodes:
+                if n.op == "placeholder" and n.name == spec.arg.name and isinstance(n.meta.get("val"), torch.Tensor):
+                    out[n.name] = n.meta["val"].dtype
+    return out
+
+
+@contextlib.contextmanager
+def _parameters_without_memory() -> Iterator[None]:
+    """Create every nn.Parameter on the meta device while a module is built
+    (buffers such as RoPE's inv_freq stay real: they are computed, not loaded)."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _safetensors_index(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    index: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                index[k] = str(f)
+    return index
+
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    try:
+        import transformers
+    except ImportError:
+        raise NpucError("NPUC-E0104", "reading a Hugging Face checkpoint needs transformers",
+                        "pip install 'npuc[hf]'", exit_code=EXIT_USAGE) from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise NpucError("NPUC-E0402", f"cannot read {str(path / 'config.json')!r}: {e}",
+                        "the folder should come from save_pretrained", exit_code=EXIT_IO) from None
+    archs = getattr(config, "architectures", None) or []
+    auto = transformers.AutoModelForCausalLM if any("CausalLM" in a for a in archs) or not archs \
+        else transformers.AutoModel
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    index = _safetensors_index(path)
+    if not index:
+        raise NpucError("NPUC-E0305", f"{str(path)!r} has no *.safetensors weights",
+                        "save the model with save_pretrained(..., safe_serialization=True)", exit_code=EXIT_IO)
+    try:
+        with _parameters_without_memory():
+            module = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as e:
+        raise NpucError("NPUC-E0306", f"transformers cannot build {archs or config.model_type}: {e}",
+                        "check that your transformers version supports this architecture",
+                        exit_code=EXIT_UNSUPPORTED) from None
+    module.eval()
+    # Give each parameter uninitialised storage (pages are never touched) and find
+    # its tensor in the checkpoint; tied parameters share one object, so one key.
+    owners: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    sources: dict[str, ConstSource] = {}
+    missing = []
+    for pid, names in owners.items():
+        p = params[pid]
+        key = next((n for n in names if n in index), None)
+        if key is None:
+            missing.append(names[0])
+            continue
+        src = SafetensorsSource(index[key], key, p.dtype)
+        for n in names:
+            sources[n] = src
+    if missing:
+        raise NpucError("NPUC-E0305", f"{len(missing)} weight(s) are not in the checkpoint: "
+                        + ", ".join(missing[:5]) + ("..." if len(missing) > 5 else ""),
+                        "the checkpoint does not match its config.json", exit_code=EXIT_IO)
+    fresh: dict[int, nn.Parameter] = {
+        pid: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False) for pid, p in params.items()}
+    for mod in module.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[pname] = fresh[id(p)]
+    files = [str(path / "config.json")] + sorted(set(index.values()))
+    dtypes = {n: torch.int64 for n in _INT_INPUTS}
+    return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
+
+
+def describe_inputs(loaded: LoadedModel) -> dict[str, str]:
+    """The model's tensor inputs (for error messages about --input_shape)."""
+    import inspect
+
+    fn = loaded.module.forward
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in loaded.fixed_kwargs:
+            continue
+        if loaded.kind == "hf" and name not in _INT_INPUTS and name != "inputs_embeds":
+            continue
+        out[name] = str(loaded.input_dtypes.get(name, "tensor")).removeprefix("torch.")
+    return out
+
+
+def read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,37 @@
+"""Errors for users, asserts for us.
+
+`NpucError` is anything a user can cause (a bad flag, an unsupported model, a
+corrupt file): the CLI prints it as one line plus a hint and exits with its
+`exit_code`, never with a traceback. `InternalError` is a broken invariant in
+npuc itself; the CLI says so and asks for a report.
+"""
+
+from __future__ import annotations
+
+# Exit codes shared by every command (see docs/errors.md).
+EXIT_OK = 0
+EXIT_COMPILE = 1
+EXIT_USAGE = 2
+EXIT_UNSUPPORTED = 3
+EXIT_IO = 4
+
+
+class NpucError(Exception):
+    """A user-facing error: a stable code, a message and a hint."""
+
+    def __init__(self, code: str, message: str, hint: str = "", exit_code: int = EXIT_COMPILE) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.hint = hint
+        self.exit_code = exit_code
+
+    def render(self) -> str:
+        text = f"error {self.code}: {self.message}"
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class InternalError(AssertionError):
+    """An invariant of npuc itself was broken: a bug, not a user mistake."""

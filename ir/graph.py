@@ -1,0 +1,263 @@
+"""The IR: a `Graph` of `Node`s connected by `Value`s with explicit def-use.
+
+A `Value` has exactly one producer (a node output, a graph input, or a graph
+constant) and a list of uses `(node, operand index)`. Building a node registers
+its uses; `replace_all_uses_with` is the core edit. Values compare by identity.
+
+Constants (`@name` in the text form) carry a `ConstSource`: weights are read from
+their file (safetensors, .pt2, ONNX external data) only when something asks for
+the data, never copied into Python objects while the graph is rewritten.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol
+
+from npuc.errors import InternalError
+from npuc.ir.types import TensorType
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ConstSource(Protocol):
+    """Where a constant's bytes come from; `load` is called only when needed."""
+
+    def load(self) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+class TensorSource:
+    """A constant computed by npuc itself (a folded subgraph, a buffer of the module)."""
+
+    def __init__(self, tensor: torch.Tensor, origin: str = "computed") -> None:
+        self._tensor = tensor
+        self._origin = origin
+
+    def load(self) -> torch.Tensor:
+        return self._tensor
+
+    def describe(self) -> str:
+        return self._origin
+
+
+class MissingSource:
+    """The source of a constant parsed from text: the text form carries no data."""
+
+    def load(self) -> torch.Tensor:
+        raise InternalError("constant parsed from textual IR has no data")
+
+    def describe(self) -> str:
+        return "none (parsed from text)"
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+def format_name(name: str) -> str:
+    """Bare when it is a plain identifier, else a JSON-quoted string."""
+    if _NAME_RE.match(name):
+        return name
+    import json
+
+    return json.dumps(name)
+
+
+class Value:
+    __slots__ = ("name", "type", "producer", "index", "uses", "const", "graph")
+
+    def __init__(self, name: str, type: TensorType, graph: Graph) -> None:
+        self.name = name
+        self.type = type
+        self.producer: Node | None = None
+        self.index = 0
+        self.uses: list[tuple[Node, int]] = []
+        self.const: ConstSource | None = None
+        self.graph = graph
+
+    @property
+    def is_const(self) -> bool:
+        return self.const is not None
+
+    @property
+    def is_input(self) -> bool:
+        return self.producer is None and self.const is None
+
+    def users(self) -> list[Node]:
+        seen: dict[int, Node] = {}
+        for node, _ in self.uses:
+            seen.setdefault(id(node), node)
+        return list(seen.values())
+
+    def ref(self) -> str:
+        return ("@" if self.is_const else "%") + format_name(self.name)
+
+    def __repr__(self) -> str:
+        return f"<Value {self.ref()} : {self.type}>"
+
+
+class Node:
+    __slots__ = ("op", "inputs", "outputs", "attrs", "graph")
+
+    def __init__(self, op: str, attrs: Mapping[str, Any], graph: Graph) -> None:
+        self.op = op
+        self.attrs: Mapping[str, Any] = MappingProxyType(dict(attrs))
+        self.inputs: list[Value] = []
+        self.outputs: list[Value] = []
+        self.graph = graph
+
+    @property
+    def name(self) -> str:
+        return self.outputs[0].name if self.outputs else f"<{self.op}>"
+
+    @property
+    def output(self) -> Value:
+        if len(self.outputs) != 1:
+            raise InternalError(f"{self.op} has {len(self.outputs)} outputs")
+        return self.outputs[0]
+
+    def set_input(self, index: int, value: Value) -> None:
+        old = self.inputs[index]
+        old.uses.remove((self, index))
+        self.inputs[index] = value
+        value.uses.append((self, index))
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name} = {self.op}>"
+
+
+class Graph:
+    """An ordered (topologically sorted) list of nodes plus inputs, constants and outputs."""
+
+    def __init__(self, name: str = "main") -> None:
+        self.name = name
+        self.inputs: list[Value] = []
+        self.outputs: list[Value] = []
+        self.nodes: list[Node] = []
+        self.constants: dict[str, Value] = {}
+        self._names: set[str] = set()
+        self._counter = 0
+
+    # -- naming ---------------------------------------------------------------
+    def fresh_name(self, base: str) -> str:
+        base = base or "v"
+        if base not in self._names:
+            return base
+        while True:
+            self._counter += 1
+            cand = f"{base}_{self._counter}"
+            if cand not in self._names:
+                return cand
+
+    def _new_value(self, name: str, type: TensorType) -> Value:
+        if name in self._names:
+            raise InternalError(f"duplicate value name {name!r}")
+        self._names.add(name)
+        return Value(name, type, self)
+
+    # -- building -------------------------------------------------------------
+    def add_input(self, name: str, type: TensorType) -> Value:
+        v = self._new_value(name, type)
+        self.inputs.append(v)
+        return v
+
+    def add_constant(self, name: str, type: TensorType, source: ConstSource) -> Value:
+        v = self._new_value(self.fresh_name(name), type)
+        v.const = source
+        self.constants[v.name] = v
+        return v
+
+    def add_node(
+        self,
+        op: str,
+        inputs: Sequence[Value],
+        out_types: Sequence[TensorType],
+        attrs: Mapping[str, Any] | None = None,
+        names: Sequence[str] | str | None = None,
+        before: Node | None = None,
+    ) -> Node:
+        node = Node(op, attrs or {}, self)
+        for i, v in enumerate(inputs):
+            if v.graph is not self:
+                raise InternalError(f"value {v.ref()} belongs to another graph")
+            node.inputs.append(v)
+            v.uses.append((node, i))
+        if isinstance(names, str):
+            names = [names] if len(out_types) == 1 else [f"{names}_{i}" for i in range(len(out_types))]
+        for i, t in enumerate(out_types):
+            base = names[i] if names else op
+            out = self._new_value(self.fresh_name(base), t)
+            out.producer = node
+            out.index = i
+            node.outputs.append(out)
+        if before is None:
+            self.nodes.append(node)
+        else:
+            self.nodes.insert(self.nodes.index(before), node)
+        return node
+
+    def set_outputs(self, values: Iterable[Value]) -> None:
+        self.outputs = list(values)
+
+    # -- editing --------------------------------------------------------------
+    def replace_all_uses_with(self, old: Value, new: Value) -> None:
+        if old is new:
+            return
+        for node, i in list(old.uses):
+            node.inputs[i] = new
+            new.uses.append((node, i))
+        old.uses.clear()
+        self.outputs = [new if o is old else o for o in self.outputs]
+
+    def remove_node(self, node: Node) -> None:
+        for out in node.outputs:
+            if out.uses or any(o is out for o in self.outputs):
+                raise InternalError(f"removing {node.name} whose output {out.ref()} is still used")
+        for i, v in enumerate(node.inputs):
+            v.uses.remove((node, i))
+        self.nodes.remove(node)
+        for out in node.outputs:
+            self._names.discard(out.name)
+
+    def remove_constant(self, value: Value) -> None:
+        if value.uses or any(o is value for o in self.outputs):
+            raise InternalError(f"removing constant {value.ref()} that is still used")
+        del self.constants[value.name]
+        self._names.discard(value.name)
+
+    def rename(self, value: Value, name: str) -> None:
+        """Give `value` a new, unique name (graph outputs get their user-facing names)."""
+        if value.name == name:
+            return
+        if name in self._names:
+            raise InternalError(f"duplicate value name {name!r}")
+        self._names.discard(value.name)
+        if value.is_const:
+            del self.constants[value.name]
+            self.constants[name] = value
+        value.name = name
+        self._names.add(name)
+
+    # -- queries --------------------------------------------------------------
+    def values(self) -> Iterator[Value]:
+        yield from self.inputs
+        yield from self.constants.values()
+        for n in self.nodes:
+            yield from n.outputs
+
+    def __str__(self) -> str:
+        from npuc.ir.printer import print_graph
+
+        return print_graph(self)
+
+    def __eq__(self, other: object) -> bool:
+        """Structural equality: the same text form (names, types, ops, attributes)."""
+        if not isinstance(other, Graph):
+            return NotImplemented
+        return str(self) == str(other)
+
+    __hash__ = None  # type: ignore[assignment]

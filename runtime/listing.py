@@ -1,0 +1,51 @@
+"""`npuc dump`: a readable listing of a compiled program, like a disassembly.
+
+    #3    cube    linear   %q : f32[1,16,64] @arena+4096
+                           <- %h : f32[1,16,64] @arena+0, @w_q : f32[64,64] @weights+16384
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from npuc.runtime.session import Session, TensorInfo, _attr
+
+
+def _t(t: TensorInfo, kind: str) -> str:
+    sigil = "@" if t.region == "weights" else "%"
+    return f"{sigil}{t.name} : {t.dtype}[{','.join(map(str, t.shape))}] @{t.region}+{t.offset}"
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n:,} B"
+
+
+def render_listing(path: str, summary: bool = False) -> str:
+    s = Session.load(path)
+    m: Any = s.model
+    prog = s.program
+    counts = Counter(o.op for o in prog.ops)
+    units = Counter(o.unit for o in prog.ops)
+    lines = [
+        f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}",
+        f"program {prog.name}: {len(prog.ops)} ops, arena {_fmt_bytes(prog.plan.arena_bytes)} "
+        f"(lower bound {_fmt_bytes(prog.plan.lower_bound_bytes)}), weights {_fmt_bytes(m.weights_bytes)} "
+        f"in {sum(1 for t in s.tensors if t.region == 'weights')} tensors",
+        "inputs:  " + ", ".join(_t(t, "in") for t in s.inputs),
+        "outputs: " + ", ".join(_t(t, "out") for t in s.outputs),
+        "units:   " + ", ".join(f"{u} {n}" for u, n in sorted(units.items())),
+        "ops:     " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+    ]
+    if summary:
+        return "\n".join(lines)
+    lines.append("")
+    width = max((len(o.op) for o in prog.ops), default=4)
+    for i, o in enumerate(prog.ops):
+        attrs = ", ".join(f"{a.name}={_attr(a.value)!r}" for a in o.attrs)
+        outs = ", ".join(_t(s.tensors[j], "out") for j in o.outputs)
+        ins = ", ".join(_t(s.tensors[j], "in") for j in o.inputs)
+        head = f"#{i:<4} {o.unit:<6} {o.op:<{width}}  {outs}"
+        lines.append(head + (f"  [{attrs}]" if attrs else ""))
+        lines.append(" " * (13 + width) + f"<- {ins}" if ins else " " * (13 + width) + "<- (none)")
+    return "\n".join(lines)
