@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping, Sequence
 
 from npuc.errors import InternalError
 
@@ -230,7 +230,7 @@ def plan_memory(buffers: Sequence[Buffer], alignment: int) -> Plan:
         if best_arena <= bound:
             break
     return Plan(
-        offsets=tuple(sorted(zip(ids, best_offsets))),
+        offsets=tuple(sorted(zip(ids, best_offsets, strict=True))),
         arena_bytes=best_arena,
         lower_bound=bound,
         alignment=alignment,

@@ -33,9 +33,10 @@ import re
 import stat
 import struct
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Iterable, Iterator, Union
+from typing import IO
 
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
@@ -74,7 +75,7 @@ E_WRITE = "NPUC-E0406"
 
 _HINT_RECOMPILE = "the file is damaged or incomplete; recompile the model with `npuc compile`"
 
-Chunk = Union[bytes, bytearray, memoryview]
+Chunk = bytes | bytearray | memoryview
 
 
 def _required_align(name: str) -> int:
@@ -206,7 +207,7 @@ class OmWriter:
                     f.write(bytes(table_end))  # placeholder for header and table
                 pos = table_end
                 entries = []
-                for sec, off in zip(sections, offsets):
+                for sec, off in zip(sections, offsets, strict=True):
                     with self._io():
                         f.write(bytes(off - pos))
                     digest = self._write_payload(f, sec)
@@ -427,7 +428,7 @@ def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
 
     if verify:
         with memoryview(mm) as whole:
-            for info, digest in zip(sections, digests):
+            for info, digest in zip(sections, digests, strict=True):
                 with whole[info.offset : info.offset + info.size] as payload:
                     ok = hashlib.sha256(payload).digest() == digest
                 if not ok:

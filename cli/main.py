@@ -17,7 +17,6 @@ from functools import wraps
 from typing import Any
 
 import click
-
 import npuc
 from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, InternalError, NpucError
 
@@ -99,7 +98,7 @@ def _parse_input_flag(items: tuple[str, ...]) -> dict[str, str]:
 def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: bool) -> None:
     """Run a compiled .om on .npy inputs."""
     import numpy as np
-
+    from npuc.ir import DType
     from npuc.runtime import Session
 
     sess = Session.load(om, device=device)
@@ -115,7 +114,8 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: b
     for name, t in outs.items():
         fname = "".join(c if c.isalnum() or c in "._-" else "_" for c in name) + ".npy"
         np.save(os.path.join(output_dir, fname), t.cpu().numpy())
-        click.echo(f"{name}: {t.dtype}{list(t.shape)} -> {os.path.join(output_dir, fname)}")
+        shape = ",".join(map(str, t.shape))
+        click.echo(f"{name}: {DType.from_torch(t.dtype)}[{shape}] -> {os.path.join(output_dir, fname)}")
 
 
 @main.command()

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import ConstSource, TensorSource
+from torch import nn
 
 _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"}
 
@@ -49,6 +48,7 @@ class LoadedModel:
     sources: dict[str, ConstSource] = field(default_factory=dict)
     input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    program: torch.export.ExportedProgram | None = None  # a loaded .pt2
 
     def resolve(self, fqn: str, tensor: torch.Tensor | None) -> ConstSource:
         if fqn in self.sources:
@@ -63,7 +63,7 @@ def load_source(model: Any) -> LoadedModel:
     if isinstance(model, nn.Module):
         return LoadedModel(model.eval(), "module")
     if isinstance(model, torch.export.ExportedProgram):
-        return LoadedModel(model.module(), "pt2", input_dtypes=_ep_input_dtypes(model))
+        return LoadedModel(model.module(), "pt2", input_dtypes=_ep_input_dtypes(model), program=model)
     path = Path(os.fspath(model))
     if not path.exists():
         raise NpucError("NPUC-E0401", f"model path {str(path)!r} does not exist",
@@ -78,9 +78,9 @@ def load_source(model: Any) -> LoadedModel:
         try:
             ep = torch.export.load(str(path))
         except Exception as e:  # a corrupt archive is a user problem, not a crash
-            raise NpucError("NPUC-E0402", f"cannot read {str(path)!r} as a torch.export archive: {e}",
+            raise NpucError("NPUC-E0407", f"cannot read {str(path)!r} as a torch.export archive: {e}",
                             "save it with torch.export.save(ep, path)", exit_code=EXIT_IO) from None
-        loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep))
+        loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep), program=ep)
         loaded.files.append(str(path))
         return loaded
     raise NpucError("NPUC-E0103", f"cannot tell what kind of model {str(path)!r} is",
@@ -88,14 +88,19 @@ def load_source(model: Any) -> LoadedModel:
                     exit_code=EXIT_USAGE)
 
 
-def _ep_input_dtypes(ep: torch.export.ExportedProgram) -> dict[str, torch.dtype]:
+def program_inputs(ep: torch.export.ExportedProgram) -> dict[str, tuple[tuple[Any, ...], torch.dtype]]:
+    """The tensor user inputs of an exported program, in order: name -> (shape, dtype)."""
     out = {}
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind.name == "USER_INPUT" and hasattr(spec.arg, "name"):
-            for n in ep.graph.nodes:
-                if n.op == "placeholder" and n.name == spec.arg.name and isinstance(n.meta.get("val"), torch.Tensor):
-                    out[n.name] = n.meta["val"].dtype
+    user = {s.arg.name for s in ep.graph_signature.input_specs
+            if s.kind.name == "USER_INPUT" and hasattr(s.arg, "name")}
+    for n in ep.graph.nodes:
+        if n.op == "placeholder" and n.name in user and isinstance(n.meta.get("val"), torch.Tensor):
+            out[n.name] = (tuple(n.meta["val"].shape), n.meta["val"].dtype)
     return out
+
+
+def _ep_input_dtypes(ep: torch.export.ExportedProgram) -> dict[str, torch.dtype]:
+    return {name: dt for name, (_, dt) in program_inputs(ep).items()}
 
 
 @contextlib.contextmanager
@@ -137,7 +142,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
-        raise NpucError("NPUC-E0402", f"cannot read {str(path / 'config.json')!r}: {e}",
+        raise NpucError("NPUC-E0407", f"cannot read {str(path / 'config.json')!r}: {e}",
                         "the folder should come from save_pretrained", exit_code=EXIT_IO) from None
     archs = getattr(config, "architectures", None) or []
     auto = transformers.AutoModelForCausalLM if any("CausalLM" in a for a in archs) or not archs \
@@ -194,6 +199,9 @@ def describe_inputs(loaded: LoadedModel) -> dict[str, str]:
     """The model's tensor inputs (for error messages about --input_shape)."""
     import inspect
 
+    if loaded.program is not None:
+        return {name: f"{str(dt).removeprefix('torch.')}{list(shape)}"
+                for name, (shape, dt) in program_inputs(loaded.program).items()}
     fn = loaded.module.forward
     try:
         params = inspect.signature(fn).parameters

@@ -56,11 +56,13 @@ class MissingSource:
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
-def format_name(name: str) -> str:
-    """Bare when it is a plain identifier, else a JSON-quoted string."""
-    if _NAME_RE.match(name):
+def format_name(name: str, sigil: bool = True) -> str:
+    """Bare when it is a plain name, else a JSON-quoted string. Without a sigil
+    (the graph's own name) a bare name must also not start like a number."""
+    if (_NAME_RE if sigil else _IDENT_RE).match(name):
         return name
     import json
 

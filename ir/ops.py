@@ -10,12 +10,11 @@ Conventions shared by every op:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from npuc.ir.registry import Attr, op
 from npuc.ir.types import DType, TensorType
 
@@ -54,23 +53,40 @@ def _same_dtype(ins: T) -> DType:
 
 # -- elementwise --------------------------------------------------------------
 
-_UNARY = {
-    "neg": torch.neg, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "exp": torch.exp, "log": torch.log,
-    "cos": torch.cos, "sin": torch.sin, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
-    "relu": torch.relu, "reciprocal": torch.reciprocal, "abs": torch.abs, "erf": torch.erf,
-    "logical_not": torch.logical_not,
+# Float-only math: torch would silently promote integers to float, which breaks
+# "the shape rule says what the kernel returns"; frontends cast first.
+_FLOAT_UNARY = {
+    "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "exp": torch.exp, "log": torch.log, "cos": torch.cos,
+    "sin": torch.sin, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
+    "reciprocal": torch.reciprocal, "erf": torch.erf,
 }
+_NUMERIC_UNARY = {"neg": torch.neg, "relu": torch.relu, "abs": torch.abs}
 
 
-def _unary_infer(ins: T, attrs: A) -> list[TensorType]:
+def _float_unary_infer(ins: T, attrs: A) -> list[TensorType]:
+    if not ins[0].dtype.is_float:
+        raise ShapeError(f"needs a float operand, got {ins[0].dtype}")
     return [ins[0]]
 
 
-for _name, _fn in _UNARY.items():
-    op(_name, ("x",), kernel=lambda xs, a, _fn=_fn: _fn(xs[0]))(_unary_infer)
+def _numeric_unary_infer(ins: T, attrs: A) -> list[TensorType]:
+    if ins[0].dtype == DType.bool:
+        raise ShapeError("needs a numeric operand, got bool")
+    return [ins[0]]
+
+
+for _name, _fn in _FLOAT_UNARY.items():
+    op(_name, ("x",), kernel=lambda xs, a, _fn=_fn: _fn(xs[0]))(_float_unary_infer)
+for _name, _fn in _NUMERIC_UNARY.items():
+    op(_name, ("x",), kernel=lambda xs, a, _fn=_fn: _fn(xs[0]))(_numeric_unary_infer)
 
 op("gelu", ("x",), {"approximate": Attr("str", "none")},
-   kernel=lambda xs, a: F.gelu(xs[0], approximate=a["approximate"]))(_unary_infer)
+   kernel=lambda xs, a: F.gelu(xs[0], approximate=a["approximate"]))(_float_unary_infer)
+
+
+@op("logical_not", ("x",), kernel=lambda xs, a: torch.logical_not(xs[0]))
+def _logical_not(ins: T, attrs: A) -> list[TensorType]:
+    return [ins[0].with_dtype(DType.bool)]
 
 
 @op("cast", ("x",), {"dtype": Attr("dtype")}, kernel=lambda xs, a: xs[0].to(a["dtype"].torch))
@@ -83,11 +99,24 @@ _BINARY = {
     "maximum": torch.maximum, "minimum": torch.minimum,
     "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
 }
+# Which operand dtypes each binary op takes (the kernel's dtype is then the operands').
+_BINARY_DTYPES = {
+    "sub": lambda d: d != DType.bool, "pow": lambda d: d != DType.bool, "div": lambda d: d.is_float,
+    "bitwise_and": lambda d: not d.is_float, "bitwise_or": lambda d: not d.is_float,
+}
 _COMPARE = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
 
 
-def _binary_infer(ins: T, attrs: A) -> list[TensorType]:
-    return [TensorType(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
+def _binary_infer_for(name: str) -> Callable[[T, A], list[TensorType]]:
+    ok = _BINARY_DTYPES.get(name, lambda d: True)
+
+    def infer(ins: T, attrs: A) -> list[TensorType]:
+        dt = _same_dtype(ins)
+        if not ok(dt):
+            raise ShapeError(f"{name} does not take {dt} operands")
+        return [TensorType(broadcast(ins[0].shape, ins[1].shape), dt)]
+
+    return infer
 
 
 def _compare_infer(ins: T, attrs: A) -> list[TensorType]:
@@ -96,7 +125,7 @@ def _compare_infer(ins: T, attrs: A) -> list[TensorType]:
 
 
 for _name, _fn in _BINARY.items():
-    op(_name, ("a", "b"), kernel=lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))(_binary_infer)
+    op(_name, ("a", "b"), kernel=lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))(_binary_infer_for(_name))
 for _name, _fn in _COMPARE.items():
     op(_name, ("a", "b"), kernel=lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))(_compare_infer)
 
@@ -112,6 +141,8 @@ def _where(ins: T, attrs: A) -> list[TensorType]:
 
 def _reduce_infer(ins: T, attrs: A) -> list[TensorType]:
     x = ins[0]
+    if not attrs["axes"]:
+        raise ShapeError("reductions name their axes explicitly (torch would reduce all axes)")
     axes = {norm_axis(a, x.rank) for a in attrs["axes"]}
     if attrs["keepdim"]:
         shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
@@ -173,7 +204,7 @@ def _transpose(ins: T, attrs: A) -> list[TensorType]:
 def _expand(ins: T, attrs: A) -> list[TensorType]:
     shape = tuple(attrs["shape"])
     x = ins[0].shape
-    if len(shape) < len(x) or any(d != s and d != 1 for d, s in zip(x[::-1], shape[::-1], strict=False)):
+    if any(d < 0 for d in shape) or len(shape) < len(x) or any(d != s and d != 1 for d, s in zip(x[::-1], shape[::-1], strict=False)):
         raise ShapeError(f"cannot expand {ins[0]} to {list(shape)}")
     return [ins[0].with_shape(shape)]
 

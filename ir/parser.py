@@ -51,8 +51,9 @@ class _Lexer:
         return NpucError("NPUC-E0201", f"IR parse error at {line}:{col}: {msg}: {snippet.strip()!r}",
                          "the textual IR grammar is in docs/ir.md")
 
-    def error(self, msg: str) -> NpucError:
-        pos = self.toks[self.i][2] if self.i < len(self.toks) else len(self.text)
+    def error(self, msg: str, at: int | None = None) -> NpucError:
+        i = self.i if at is None else at
+        pos = self.toks[i][2] if i < len(self.toks) else len(self.text)
         return self._err(self.text, pos, msg)
 
     def peek(self) -> tuple[str, str]:
@@ -142,8 +143,14 @@ def parse_graph(text: str) -> Graph:
     def lookup(ref: str) -> Value:
         name = ref[0] + _unquote(ref[1:])
         if name not in env:
-            raise lx.error(f"use of undefined value {ref}")
+            raise lx.error(f"use of undefined value {ref}", at=lx.i - 1)
         return env[name]
+
+    def fresh(ref: str, at: int) -> str:
+        name = _unquote(ref[1:])
+        if name in g._names:
+            raise lx.error(f"value {ref} is defined twice", at=at)
+        return name
 
     lx.expect("(")
     while not lx.accept(")"):
@@ -151,15 +158,19 @@ def parse_graph(text: str) -> Graph:
         if k != "ref" or not ref.startswith("%"):
             lx.i -= 1
             raise lx.error("expected an input %name")
+        name = fresh(ref, lx.i - 1)
         lx.expect(":")
-        env["%" + _unquote(ref[1:])] = g.add_input(_unquote(ref[1:]), _parse_type(lx))
+        env["%" + name] = g.add_input(name, _parse_type(lx))
         lx.accept(",")
     lx.expect("{")
     while True:
         if lx.accept("const"):
             k, ref = lx.next()
+            if k != "ref" or not ref.startswith("@"):
+                lx.i -= 1
+                raise lx.error("expected a constant @name")
+            name = fresh(ref, lx.i - 1)
             lx.expect(":")
-            name = _unquote(ref[1:])
             env["@" + name] = g.add_constant(name, _parse_type(lx), MissingSource())
             continue
         if lx.accept("return"):
@@ -174,8 +185,11 @@ def parse_graph(text: str) -> Graph:
         out_decls: list[tuple[str, TensorType]] = []
         while lx.peek()[0] == "ref":
             ref = lx.next()[1]
+            name = fresh(ref, lx.i - 1)
+            if any(name == n for n, _ in out_decls):
+                raise lx.error(f"value {ref} is defined twice", at=lx.i - 1)
             lx.expect(":")
-            out_decls.append((_unquote(ref[1:]), _parse_type(lx)))
+            out_decls.append((name, _parse_type(lx)))
             if not lx.accept(","):
                 break
         if out_decls:
@@ -201,10 +215,8 @@ def parse_graph(text: str) -> Graph:
             args.append(lookup(ref))
             lx.accept(",")
         node = g.add_node(op, args, [t for _, t in out_decls], attrs, names=[n for n, _ in out_decls])
-        for o, (n, _) in zip(node.outputs, out_decls, strict=True):
-            if o.name != n:
-                raise lx.error(f"value %{n} is defined twice")
-            env["%" + n] = o
+        for o in node.outputs:
+            env["%" + o.name] = o
     if lx.peek()[0] != "eof":
         raise lx.error("trailing text after the graph")
     return g

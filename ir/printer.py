@@ -55,7 +55,7 @@ def format_node(node: Node) -> str:
 
 def print_graph(g: Graph) -> str:
     ins = ", ".join(f"%{format_name(v.name)} : {v.type}" for v in g.inputs)
-    lines = [f"graph {format_name(g.name)}({ins}) {{"]
+    lines = [f"graph {format_name(g.name, sigil=False)}({ins}) {{"]
     for c in g.constants.values():
         lines.append(f"  const @{format_name(c.name)} : {c.type}")
     for n in g.nodes:

@@ -7,7 +7,7 @@ results become graph constants.
     %p2 : f32[16,1] = reshape[shape=[16,1]](%pos)
     %f : f32[16,4] = mul(%p2, @inv_freq)
   ->
-    const @f : f32[16,4]
+    const @f_folded : f32[16,4]        # (@pos_folded, @p2_folded are left for DCE)
 
 Left alone: results larger than `max_bytes` (folding would copy big weights into
 memory, e.g. a transpose of an embedding table), and graph outputs (they keep a
@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from npuc.errors import InternalError
-from npuc.ir import Graph, TensorSource, TensorType, get_op
+from npuc.ir import Graph, TensorSource, get_op
 from npuc.passes.manager import Pass, PassResult
 
 
@@ -45,7 +44,7 @@ class ConstantFolding(Pass):
             with torch.no_grad():
                 results = get_op(node.op).run([v.const.load() for v in node.inputs], node.attrs)  # type: ignore[union-attr]
             for out, t in zip(node.outputs, results, strict=True):
-                if TensorType(tuple(t.shape), out.type.dtype) != out.type or t.dtype != out.type.dtype.torch:
+                if tuple(t.shape) != out.type.shape or t.dtype != out.type.dtype.torch:
                     raise InternalError(f"folding {node.name}: kernel returned {t.dtype}{list(t.shape)}, "
                                         f"expected {out.type}")
                 c = g.add_constant(out.name + "_folded", out.type, TensorSource(t.contiguous().clone(), "folded"))

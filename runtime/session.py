@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from npuc.backend.om_format import OmFile
 from npuc.backend.om_schema import ModelDef
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
@@ -72,7 +71,7 @@ class Session:
                 _Step(get_op(o.op), tuple(o.inputs), tuple(o.outputs), {a.name: _attr(a.value) for a in o.attrs})
                 for o in prog.ops]
         except AssertionError as e:
-            raise NpucError("NPUC-E0406", f"the .om uses an op this runtime does not know: {e}",
+            raise NpucError("NPUC-E0408", f"the .om uses an op this runtime does not know: {e}",
                             "update npuc to the version that compiled the model", exit_code=EXIT_IO) from None
         self._check_bounds()
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from hf_models import ARCHS
 
 # The runtime must work from the .om alone: these imports fail inside `npuc run`.

@@ -1,0 +1,33 @@
+"""Docs that must agree with the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from npuc.backend.om_schema import proto_text
+from npuc.compiler.torch_frontend import CONVERTERS
+from npuc.ir import all_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_DIRS = ["ir", "compiler", "passes", "backend", "runtime", "cli"]
+
+
+def test_error_table_matches_code() -> None:
+    used = set()
+    for d in CODE_DIRS:
+        for f in (ROOT / d).rglob("*.py"):
+            used |= set(re.findall(r"NPUC-E\d{4}", f.read_text()))
+    table = set(re.findall(r"^\| (NPUC-E\d{4}) \|", (ROOT / "docs/errors.md").read_text(), re.M))
+    assert used == table, {"undocumented": sorted(used - table), "unused": sorted(table - used)}
+
+
+def test_ops_doc_lists_every_op() -> None:
+    text = (ROOT / "docs/ops.md").read_text()
+    missing = [n for n in all_ops() if f"`{n}`" not in text]
+    missing += [t for t in CONVERTERS if f"`{t}`" not in text]
+    assert not missing
+
+
+def test_format_doc_has_current_schema() -> None:
+    assert proto_text() in (ROOT / "docs/om-format.md").read_text()

@@ -1,0 +1,125 @@
+"""torch frontend: nn.Module and .pt2 sources, the unsupported-op report, user errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import npuc
+import pytest
+import torch
+from npuc.errors import NpucError
+from torch import nn
+
+
+class Block(nn.Module):
+    """A grab bag of ops the frontend must convert (bias, gelu, masked_fill, softmax, split, cumsum...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.lin = nn.Linear(8, 16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(ids) + x
+        y = nn.functional.gelu(self.lin(h)) * self.scale
+        a, b = y.split([6, 10], dim=-1)
+        mask = torch.arange(6) > 2
+        a = a.masked_fill(mask, -1e4)
+        z = torch.softmax(a, dim=-1).sum(-1, keepdim=True) + b.mean(-1, keepdim=True)
+        return z.transpose(0, 1).contiguous(), torch.cumsum(h, dim=1).exp().sqrt()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 10, (2, 4), generator=g), torch.randn(2, 4, 8, generator=g)
+
+
+def test_module_api_matches_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = Block().eval()
+    ids, x = _inputs()
+    path = npuc.compile(m, input_shape="ids:2,4;x:2,4,8", input_dtypes={"ids": "int64"},
+                        output=str(tmp_path / "block"))
+    out = npuc.load(path).run({"ids": ids, "x": x})
+    ref = m(ids, x)
+    assert list(out) == ["output_0", "output_1"]
+    for got, want in zip(out.values(), ref, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_pt2_static_and_dynamic(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = Block().eval()
+    ids, x = _inputs()
+    torch.export.save(torch.export.export(m, (ids, x)), str(tmp_path / "static.pt2"))
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(tmp_path / "static.pt2"), "--input_shape",
+                        "ids:2,4;x:2,4,8", "--output", str(tmp_path / "s")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = npuc.load(str(tmp_path / "s.om")).run({"ids": ids, "x": x})
+    torch.testing.assert_close(out["output_0"], m(ids, x)[0], atol=1e-5, rtol=1e-5)
+
+    # A static .pt2 cannot be compiled at another shape: say so, naming the input.
+    with pytest.raises(NpucError, match=r"ids: the \.pt2 has \[2, 4\], --input_shape says \[3, 4\]"):
+        npuc.compile(str(tmp_path / "static.pt2"), input_shape="ids:3,4;x:3,4,8", output=str(tmp_path / "bad"))
+
+    # A dynamic .pt2 is specialised to the shapes given.
+    batch = torch.export.Dim("batch", min=1, max=8)
+    ep = torch.export.export(m, (ids, x), dynamic_shapes={"ids": {0: batch}, "x": {0: batch}})
+    torch.export.save(ep, str(tmp_path / "dyn.pt2"))
+    path = npuc.compile(str(tmp_path / "dyn.pt2"), input_shape="ids:3,4;x:3,4,8", output=str(tmp_path / "d"))
+    ids3, x3 = torch.randint(0, 10, (3, 4)), torch.randn(3, 4, 8)
+    out = npuc.load(path).run({"ids": ids3, "x": x3})
+    torch.testing.assert_close(out["output_1"], m(ids3, x3)[1], atol=1e-5, rtol=1e-5)
+
+
+class Unsupported(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.sort(x, dim=-1).values
+        b = torch.topk(x, 2).values + torch.topk(a, 2).values
+        return torch.fft.fft(b).real
+
+
+def test_every_unsupported_op_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(NpucError) as info:
+        npuc.compile(Unsupported(), input_shape="x:2,8", output=str(tmp_path / "u"))
+    e = info.value
+    assert e.code == "NPUC-E0301" and e.exit_code == 3
+    assert "aten.sort.default (x1)" in e.message
+    assert "aten.topk.default (x2)" in e.message
+    assert "aten.fft_fft.default (x1)" in e.message or "fft" in e.message
+    assert not (tmp_path / "u.om").exists()
+
+
+def test_unsupported_via_cli_has_no_traceback(tmp_path: Path) -> None:
+    torch.export.save(torch.export.export(Unsupported(), (torch.randn(2, 8),)), str(tmp_path / "u.pt2"))
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(tmp_path / "u.pt2"), "--input_shape", "x:2,8",
+                        "--output", str(tmp_path / "u")], capture_output=True, text=True)
+    assert r.returncode == 3
+    assert "Traceback" not in r.stderr
+    assert "NPUC-E0301" in r.stderr and "aten.sort.default (x1)" in r.stderr and "hint:" in r.stderr
+    assert not (tmp_path / "u.om").exists()
+
+
+def test_tied_embeddings_checkpoint(tmp_path: Path) -> None:
+    import transformers
+    from hf_models import COMMON
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(tmp_path / "tied"))
+    path = npuc.compile(str(tmp_path / "tied"), input_shape="input_ids:1,16", output=str(tmp_path / "tied"))
+    ids = torch.randint(0, 128, (1, 16))
+    got = npuc.load(path).run({"input_ids": ids})["logits"]
+    torch.testing.assert_close(got, model(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_missing_input_shape_lists_inputs(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(NpucError) as info:
+        npuc.compile(str(hf_checkpoints["llama"]), output=str(tmp_path / "x"))
+    assert info.value.code == "NPUC-E0106" and info.value.exit_code == 2
+    assert "input_ids" in info.value.hint
