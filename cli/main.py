@@ -38,7 +38,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if debug:
                 raise
             _fail(e)
-        except (InternalError, Exception) as e:
+        except Exception as e:  # anything else is our bug: say so, in one line
             if debug or isinstance(e, (click.exceptions.Exit, click.ClickException)):
                 raise
             kind = "an internal invariant broke" if isinstance(e, InternalError) else type(e).__name__
@@ -60,11 +60,12 @@ def main() -> None:
 @click.argument("model", required=False)
 @click.option("--model", "model_opt", help="Model path (ATC spelling; same as the argument).")
 @click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
-@click.option("--output", required=True, help="Output prefix: writes <output>.om.")
+@click.option("--output", default=None,
+              help="Output prefix: writes <output>.om (default: the model's name, in the current folder).")
 @click.option("--soc_version", "--soc-version", "soc_version", default=None, help="Target: npu (default) or cpu.")
 @click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
 @handle_errors
-def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str,  # noqa: A001
+def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str | None,  # noqa: A001
             soc_version: str | None, debug: bool) -> None:
     """Compile MODEL (.pt2 or Hugging Face checkpoint folder) to a .om file."""
     _quiet_libraries()
@@ -74,6 +75,8 @@ def compile(model: str | None, model_opt: str | None, input_shape: str | None, o
                         exit_code=EXIT_USAGE)
     from npuc.compiler.driver import compile_model
 
+    if output is None:
+        output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
     path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug)
     click.echo(f"wrote {path}")
 

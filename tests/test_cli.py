@@ -27,6 +27,13 @@ def test_version() -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"npuc {npuc.__version__}"
 
 
+def test_output_defaults_to_the_model_name(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(hf_checkpoints["qwen2"]), "--input_shape",
+                        "input_ids:1,16"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "qwen2.om").is_file() and "wrote qwen2.om" in r.stdout
+
+
 def test_dump_lists_every_op_with_offsets(llama_om: Path) -> None:
     r = cli("dump", str(llama_om))
     assert r.returncode == 0, r.stderr
