@@ -134,7 +134,7 @@ def weight_chunks(low: Lowered, digest: Any = None) -> Iterator[bytes]:
     for v, off in zip(low.weights, low.weight_offsets, strict=True):
         if off > cursor:
             yield b"\0" * (off - cursor)
-        t = v.const.load()  # type: ignore[union-attr]
+        t = v.const.load()
         want = v.type
         if tuple(t.shape) != want.shape or t.dtype != want.dtype.torch:
             if t.numel() == want.numel:

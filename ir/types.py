@@ -7,6 +7,7 @@ fractal formats for targets that need them).
 
 from __future__ import annotations
 
+import builtins
 import enum
 import math
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class DType(enum.Enum):
         return _ITEMSIZE[self]
 
     @property
-    def is_float(self) -> bool:
+    def is_float(self) -> builtins.bool:  # `bool` here would name the member below
         return self in (DType.f64, DType.f32, DType.f16, DType.bf16)
 
     @property

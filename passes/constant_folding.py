@@ -42,7 +42,7 @@ class ConstantFolding(Pass):
             if any(v.type.nbytes > self.max_bytes for v in node.inputs):
                 continue
             with torch.no_grad():
-                results = get_op(node.op).run([v.const.load() for v in node.inputs], node.attrs)  # type: ignore[union-attr]
+                results = get_op(node.op).run([v.const.load() for v in node.inputs], node.attrs)
             for out, t in zip(node.outputs, results, strict=True):
                 if tuple(t.shape) != out.type.shape or t.dtype != out.type.dtype.torch:
                     raise InternalError(f"folding {node.name}: kernel returned {t.dtype}{list(t.shape)}, "

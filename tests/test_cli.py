@@ -112,3 +112,9 @@ def test_arena_garbage_does_not_leak_into_results(llama_om: Path) -> None:
     sess.arena.view(torch.float32).fill_(float("nan")) if sess.arena_bytes % 4 == 0 else sess.arena.fill_(255)
     again = sess.run({"input_ids": ids})["logits"]
     assert torch.equal(clean, again) and not torch.isnan(again).any()
+
+
+def test_compile_is_byte_reproducible(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    paths = [npuc.compile(str(hf_checkpoints["deepseek_v3"]), input_shape="input_ids:1,16",
+                          output=str(tmp_path / f"m{i}")) for i in range(2)]
+    assert Path(paths[0]).read_bytes() == Path(paths[1]).read_bytes()
