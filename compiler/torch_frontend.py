@@ -225,15 +225,24 @@ def _identity_or_cast(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Valu
     return ctx.cast(x, want.dtype)
 
 
-@converts("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.unsqueeze.default",
-          "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.flatten.using_ints",
-          "aten.unflatten.int")
-def _reshape(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    x = ctx.value(a["self"])
-    shape = _meta_type(node).shape
-    if shape == x.type.shape:
-        return x
-    return ctx.emit("reshape", [x], {"shape": shape}, like=node)
+def _to_meta_shape(op: str) -> Converter:
+    """reshape/expand to the shape torch recorded; a no-op when it is already that."""
+
+    def conv(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+        x = ctx.value(a["self"])
+        shape = _meta_type(node).shape
+        if shape == x.type.shape:
+            return x
+        return ctx.emit(op, [x], {"shape": shape}, like=node)
+
+    return conv
+
+
+for _t in ("view.default", "reshape.default", "_unsafe_view.default", "unsqueeze.default", "squeeze.dim",
+           "squeeze.dims", "squeeze.default", "flatten.using_ints", "unflatten.int"):
+    CONVERTERS[f"aten.{_t}"] = _to_meta_shape("reshape")
+for _t in ("expand.default", "expand_as.default"):
+    CONVERTERS[f"aten.{_t}"] = _to_meta_shape("expand")
 
 
 @converts("aten.transpose.int", "aten.permute.default", "aten.t.default")
@@ -251,15 +260,6 @@ def _transpose(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     if perm == list(range(rank)):
         return x
     return ctx.emit("transpose", [x], {"perm": tuple(perm)}, like=node)
-
-
-@converts("aten.expand.default", "aten.expand_as.default")
-def _expand(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    x = ctx.value(a["self"])
-    shape = _meta_type(node).shape
-    if shape == x.type.shape:
-        return x
-    return ctx.emit("expand", [x], {"shape": shape}, like=node)
 
 
 def _clamp_slice(dim: int, start: int | None, end: int | None, step: int) -> tuple[int, int, int]:

@@ -152,26 +152,26 @@ def parse_graph(text: str) -> Graph:
             raise lx.error(f"value {ref} is defined twice", at=at)
         return name
 
-    lx.expect("(")
-    while not lx.accept(")"):
+    def declare(sigil: str, what: str) -> tuple[str, TensorType]:
+        """`%name : type` (an input) or `@name : type` (a constant)."""
         k, ref = lx.next()
-        if k != "ref" or not ref.startswith("%"):
+        if k != "ref" or not ref.startswith(sigil):
             lx.i -= 1
-            raise lx.error("expected an input %name")
+            raise lx.error(f"expected {what} {sigil}name")
         name = fresh(ref, lx.i - 1)
         lx.expect(":")
-        env["%" + name] = g.add_input(name, _parse_type(lx))
+        return name, _parse_type(lx)
+
+    lx.expect("(")
+    while not lx.accept(")"):
+        name, t = declare("%", "an input")
+        env["%" + name] = g.add_input(name, t)
         lx.accept(",")
     lx.expect("{")
     while True:
         if lx.accept("const"):
-            k, ref = lx.next()
-            if k != "ref" or not ref.startswith("@"):
-                lx.i -= 1
-                raise lx.error("expected a constant @name")
-            name = fresh(ref, lx.i - 1)
-            lx.expect(":")
-            env["@" + name] = g.add_constant(name, _parse_type(lx), MissingSource())
+            name, t = declare("@", "a constant")
+            env["@" + name] = g.add_constant(name, t, MissingSource())
             continue
         if lx.accept("return"):
             outs = []
