@@ -19,15 +19,19 @@ EXIT_IO = 4
 class NpucError(Exception):
     """A user-facing error: a stable code, a message and a hint."""
 
-    def __init__(self, code: str, message: str, hint: str = "", exit_code: int = EXIT_COMPILE) -> None:
+    def __init__(self, code: str, message: str, hint: str = "", exit_code: int = EXIT_COMPILE,
+                 details: list[str] | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.hint = hint
         self.exit_code = exit_code
+        self.details = list(details or [])  # context lines, e.g. the model's real inputs
 
     def render(self) -> str:
         text = f"error {self.code}: {self.message}"
+        for d in self.details:
+            text += f"\n  {d}"
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from npuc.backend.memory_plan import Buffer, Plan, plan_memory, validate_plan
 from npuc.backend.om_schema import AttrValue, ModelDef
 from npuc.backend.targets import Target

@@ -17,6 +17,7 @@ from functools import wraps
 from typing import Any
 
 import click
+
 import npuc
 from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, InternalError, NpucError
 
@@ -101,6 +102,7 @@ def _parse_input_flag(items: tuple[str, ...]) -> dict[str, str]:
 def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: bool) -> None:
     """Run a compiled .om on .npy inputs."""
     import numpy as np
+
     from npuc.ir import DType
     from npuc.runtime import Session
 

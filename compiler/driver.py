@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from npuc.backend.lower import lower
 from npuc.backend.targets import get_target
 from npuc.backend.writer import write_om
-from npuc.compiler.loaders import LoadedModel, describe_inputs, load_source, program_inputs
-from npuc.compiler.shapes import check_names, parse_input_shape
+from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
+from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph
@@ -23,14 +25,6 @@ log = logging.getLogger("npuc")
 
 
 def _export(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]]) -> torch.export.ExportedProgram:
-    known = describe_inputs(loaded)
-    if known:
-        check_names(shapes, known)
-    if not shapes:
-        listing = ", ".join(f"{k}: {v}" for k, v in known.items()) or "unknown"
-        raise NpucError("NPUC-E0106", "--input_shape is required: npuc compiles static shapes only",
-                        f'give every input a shape, e.g. --input_shape "input_ids:1,16" (inputs: {listing})',
-                        exit_code=EXIT_USAGE)
     if loaded.program is not None:
         return _specialise_program(loaded.program, shapes)
     kwargs: dict[str, Any] = {
@@ -42,23 +36,17 @@ def _export(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]]) -> torch.ex
 def _specialise_program(ep: torch.export.ExportedProgram, shapes: dict[str, tuple[int, ...]]
                         ) -> torch.export.ExportedProgram:
     """A .pt2 with static shapes is used as it is; one with dynamic dims is re-exported
-    at the shapes the user gave."""
+    at the shapes given (resolve_input_shapes has checked them against its dims)."""
     inputs = program_inputs(ep)
-    static = all(isinstance(d, int) for shape, _ in inputs.values() for d in shape)
-    problems = [f"{name}: the .pt2 has {list(shape)}, --input_shape says {list(shapes[name])}"
-                for name, (shape, _) in inputs.items() if static and name in shapes and tuple(shape) != shapes[name]]
-    missing = [name for name in inputs if name not in shapes and not static]
-    if problems or missing:
-        raise NpucError("NPUC-E0111", "; ".join(problems + [f"{m}: no shape given" for m in missing]),
-                        "a .pt2 exported with static shapes compiles only at those shapes; export it with "
-                        "dynamic_shapes to choose them at compile time", exit_code=EXIT_USAGE)
-    if static:
+    if all(isinstance(d, int) for shape, _ in inputs.values() for d in shape):
         return ep.run_decompositions({})
     flat: list[Any] = []
-    user = [s for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    for s in user:
-        if s.arg.name in inputs:
-            flat.append(torch.zeros(shapes[s.arg.name], dtype=inputs[s.arg.name][1]))
+    for s in ep.graph_signature.input_specs:
+        if s.kind.name != "USER_INPUT":
+            continue
+        name = getattr(s.arg, "name", None)
+        if name in inputs:
+            flat.append(torch.zeros(shapes[name], dtype=inputs[name][1]))
         else:
             flat.append(getattr(s.arg, "value", None))
     args, kwargs = torch.utils._pytree.tree_unflatten(flat, ep.call_spec.in_spec)
@@ -87,15 +75,31 @@ def _output_names(ep: torch.export.ExportedProgram) -> list[str] | None:
     return None
 
 
+@dataclass
+class Source:
+    kind: str  # "onnx" | "hf" | "pt2" | "module"
+    files: list[str] = field(default_factory=list)
+
+
 def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, Any] | None = None
-                ) -> tuple[Graph, LoadedModel]:
-    """Frontend only: the imported (unoptimised) graph."""
+                ) -> tuple[Graph, Source]:
+    """Frontend only: the imported (unoptimised) graph, and what it was read from."""
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
+        from npuc.compiler.onnx_frontend import import_onnx, load_onnx
+
+        if not os.path.isfile(model):
+            raise NpucError("NPUC-E0401", f"model path {os.fspath(model)!r} does not exist",
+                            "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
+        onnx_model = load_onnx(os.fspath(model))
+        shapes = resolve_input_shapes(input_shape, onnx_model.inputs)
+        return import_onnx(onnx_model, shapes), Source("onnx", onnx_model.files)
     loaded = load_source(model)
     for name, dt in (input_dtypes or {}).items():
         loaded.input_dtypes[name] = _torch_dtype(dt)
-    shapes = parse_input_shape(input_shape)
+    shapes = resolve_input_shapes(input_shape, declared_inputs(loaded))
     ep = _export(loaded, shapes)
-    return import_exported_program(ep, loaded.resolve, output_names=_output_names(ep)), loaded
+    graph = import_exported_program(ep, loaded.resolve, output_names=_output_names(ep))
+    return graph, Source(loaded.kind, loaded.files)
 
 
 def _torch_dtype(dt: Any) -> torch.dtype:
@@ -128,9 +132,9 @@ def compile_model(
     except OSError as e:
         raise NpucError("NPUC-E0406", f"cannot create output folder {parent!r}: {e.strerror}",
                         "choose a writable --output prefix", exit_code=EXIT_IO) from None
-    graph, loaded = build_graph(model, input_shape, input_dtypes)
+    graph, source = build_graph(model, input_shape, input_dtypes)
     graph = PassManager(default_pipeline(), verify_each=debug).run(graph)
-    meta = {"source_kind": loaded.kind, "input_shape": str(input_shape)}
+    meta = {"source_kind": source.kind, "input_shape": str(input_shape)}
     low = lower(graph, target, meta)
     try:
         write_om(low, out_path)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+from npuc.compiler.shapes import DeclaredInput
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import ConstSource, TensorSource
-from torch import nn
 
 _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"}
 
@@ -84,7 +86,7 @@ def load_source(model: Any) -> LoadedModel:
         loaded.files.append(str(path))
         return loaded
     raise NpucError("NPUC-E0103", f"cannot tell what kind of model {str(path)!r} is",
-                    "npuc reads .pt2 files and Hugging Face checkpoint folders (ONNX support is in progress)",
+                    "npuc reads .onnx and .pt2 files and Hugging Face checkpoint folders",
                     exit_code=EXIT_USAGE)
 
 
@@ -195,25 +197,34 @@ def load_hf_dir(path: Path) -> LoadedModel:
     return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
 
 
-def describe_inputs(loaded: LoadedModel) -> dict[str, str]:
-    """The model's tensor inputs (for error messages about --input_shape)."""
+def declared_inputs(loaded: LoadedModel) -> dict[str, DeclaredInput]:
+    """The model's tensor inputs as it declares them (for --input_shape checking)."""
     import inspect
 
+    from npuc.ir import DType
+
+    def dt(t: Any) -> str:
+        try:
+            return str(DType.from_torch(t))
+        except KeyError:
+            return str(t)
+
     if loaded.program is not None:
-        return {name: f"{str(dt).removeprefix('torch.')}{list(shape)}"
-                for name, (shape, dt) in program_inputs(loaded.program).items()}
-    fn = loaded.module.forward
+        return {name: DeclaredInput(dt(d), tuple(x if isinstance(x, int) else str(x) for x in shape))
+                for name, (shape, d) in program_inputs(loaded.program).items()}
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(loaded.module.forward).parameters
     except (TypeError, ValueError):
         return {}
     out = {}
     for name, p in params.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in loaded.fixed_kwargs:
             continue
-        if loaded.kind == "hf" and name not in _INT_INPUTS and name != "inputs_embeds":
+        if loaded.kind == "hf" and name not in _INT_INPUTS:
             continue
-        out[name] = str(loaded.input_dtypes.get(name, "tensor")).removeprefix("torch.")
+        dtype = dt(loaded.input_dtypes[name]) if name in loaded.input_dtypes else "tensor"
+        required = p.default is inspect.Parameter.empty or (loaded.kind == "hf" and name == "input_ids")
+        out[name] = DeclaredInput(dtype, None, required)
     return out
 
 

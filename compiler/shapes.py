@@ -1,63 +1,131 @@
 """`--input_shape` in ATC's syntax: "name:d0,d1;name2:d0,d1".
 
 Items split on `;`, each item on its *last* `:` (ONNX names like `x:0` occur),
-dims on `,`. Every problem in the string is reported in one error.
+dims on `,`. Every problem in the string, and every disagreement with the
+model's declared inputs, is reported in one error that lists the real inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from npuc.errors import EXIT_USAGE, NpucError
 
 InputShapes = dict[str, tuple[int, ...]]
+Dim = int | str | None  # a fixed size, a symbolic name, or unknown
 
 
-def parse_input_shape(text: str | Mapping[str, tuple[int, ...]] | None) -> InputShapes:
-    if text is None:
-        return {}
-    if isinstance(text, Mapping):
-        return {k: tuple(int(d) for d in v) for k, v in text.items()}
-    problems: list[str] = []
+@dataclass(frozen=True)
+class DeclaredInput:
+    """What the model says about one input: its dtype and dims (None: rank unknown)."""
+
+    dtype: str
+    dims: tuple[Dim, ...] | None
+    required: bool = True
+
+    def describe(self) -> str:
+        if self.dims is None:
+            return self.dtype
+        return f"{self.dtype}[{','.join('?' if d is None else str(d) for d in self.dims)}]"
+
+
+@dataclass(frozen=True)
+class Problem:
+    code: str
+    message: str
+
+
+HINT = 'write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16"'
+
+
+def _parse(text: str) -> tuple[InputShapes, dict[str, str], list[Problem]]:
+    problems: list[Problem] = []
     shapes: InputShapes = {}
+    items: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(";"))):
         name, sep, dims_text = item.rpartition(":")
-        if not sep or not name:
-            problems.append(f"{item!r} is not NAME:DIMS")
+        if not sep or not name.strip():
+            problems.append(Problem("NPUC-E0101", f"{item!r} is not NAME:DIMS"))
             continue
+        name = name.strip()
         dims: list[int] = []
+        bad = False
         for j, d in enumerate(dims_text.split(",")):
             d = d.strip()
             try:
                 v = int(d)
             except ValueError:
-                problems.append(f"{item!r}: dim {j} ({d!r}) is not an integer")
+                problems.append(Problem("NPUC-E0101", f"{item!r}: dim {j} ({d!r}) is not an integer"))
+                bad = True
                 continue
             if v == -1:
-                problems.append(f"{item!r}: dim {j} is -1; npuc compiles static shapes only")
+                problems.append(Problem("NPUC-E0101", f"{item!r}: dim {j} is -1; npuc compiles static shapes only"))
+                bad = True
             elif v <= 0:
-                problems.append(f"{item!r}: dim {j} is {v}; dims must be positive")
+                problems.append(Problem("NPUC-E0101", f"{item!r}: dim {j} is {v}; dims must be positive"))
+                bad = True
             dims.append(v)
-        if name in shapes:
-            problems.append(f"{name!r} is given twice")
-        shapes[name] = tuple(dims)
-    if problems:
-        raise NpucError("NPUC-E0101", "bad --input_shape " + repr(text) + ": " + "; ".join(problems),
-                        'write it as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16"', exit_code=EXIT_USAGE)
-    return shapes
+        if name in items:
+            problems.append(Problem("NPUC-E0116", f"input {name!r} is given twice ({items[name]!r} and {item!r})"))
+            continue
+        items[name] = item
+        if not bad:
+            shapes[name] = tuple(dims)
+    return shapes, items, problems
 
 
-def check_names(shapes: InputShapes, known: Mapping[str, str]) -> None:
-    """Refuse names the model does not have; `known` maps input names to a description."""
-    import difflib
-
+def _check(shapes: InputShapes, items: Mapping[str, str], declared: Mapping[str, DeclaredInput]) -> list[Problem]:
     problems = []
-    for name in shapes:
-        if name not in known:
-            close = difflib.get_close_matches(name, list(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"unknown input {name!r}{hint}")
+    for name, item in items.items():
+        if name not in declared:
+            close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.5)
+            extra = f" (closest: {close[0]!r})" if close else ""
+            problems.append(Problem("NPUC-E0102", f"{item!r}: the model has no input {name!r}{extra}"))
+            continue
+        decl = declared[name]
+        if name not in shapes or decl.dims is None:
+            continue
+        got = shapes[name]
+        if len(got) != len(decl.dims):
+            problems.append(Problem("NPUC-E0114", f"{item!r}: rank {len(got)}, but input {name!r} is "
+                                    f"{decl.describe()} (rank {len(decl.dims)})"))
+            continue
+        for j, (g, d) in enumerate(zip(got, decl.dims, strict=True)):
+            if isinstance(d, int) and d != g:
+                problems.append(Problem("NPUC-E0115", f"{item!r}: dim {j} is {g}, but the model fixes it to {d}"))
+    for name, decl in declared.items():
+        if name in items or not decl.required:
+            continue
+        dynamic = decl.dims is None or any(not isinstance(d, int) for d in decl.dims)
+        if dynamic:
+            problems.append(Problem("NPUC-E0113", f"input {name!r} ({decl.describe()}) has dynamic dims and "
+                                    "--input_shape gives it no shape"))
+    return problems
+
+
+def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
+                         declared: Mapping[str, DeclaredInput]) -> InputShapes:
+    """The static shape of every input: from `text`, or the model's own static dims.
+
+    Raises one NpucError (exit 2) listing every problem together with the model's inputs."""
+    if isinstance(text, Mapping):
+        shapes: InputShapes = {k: tuple(int(d) for d in v) for k, v in text.items()}
+        items = {k: f"{k}:{','.join(map(str, v))}" for k, v in shapes.items()}
+        problems: list[Problem] = []
+    else:
+        shapes, items, problems = _parse(text or "")
+    problems += _check(shapes, items, declared)
     if problems:
-        listing = ", ".join(f"{k}: {v}" for k, v in known.items())
-        raise NpucError("NPUC-E0102", "; ".join(problems) + f"; the model's inputs are {listing}",
-                        "name inputs exactly as the model does", exit_code=EXIT_USAGE)
+        listing = ", ".join(f"{n}: {d.describe()}" for n, d in declared.items()) or "none known"
+        shown = f"--input_shape {text!r}" if isinstance(text, str) else "input shapes"
+        if len(problems) == 1:
+            raise NpucError(problems[0].code, problems[0].message, HINT, exit_code=EXIT_USAGE,
+                            details=[f"model inputs: {listing}"])
+        raise NpucError(problems[0].code, f"{len(problems)} problems with {shown}", HINT, exit_code=EXIT_USAGE,
+                        details=[f"- {p.message} [{p.code}]" for p in problems] + [f"model inputs: {listing}"])
+    for name, decl in declared.items():
+        if name not in shapes and decl.required and decl.dims is not None:
+            shapes[name] = tuple(int(d) for d in decl.dims)  # fully static: nothing to choose
+    return shapes

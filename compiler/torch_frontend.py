@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx
+
 from npuc.errors import EXIT_UNSUPPORTED, InternalError, NpucError
 from npuc.ir import ConstSource, DType, Graph, TensorSource, TensorType, Value, get_op
 from npuc.ir.ops import ShapeError

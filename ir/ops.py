@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from npuc.ir.registry import Attr, op
 from npuc.ir.types import DType, TensorType
 
@@ -58,9 +59,10 @@ def _same_dtype(ins: T) -> DType:
 _FLOAT_UNARY = {
     "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "exp": torch.exp, "log": torch.log, "cos": torch.cos,
     "sin": torch.sin, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
-    "reciprocal": torch.reciprocal, "erf": torch.erf,
+    "reciprocal": torch.reciprocal, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil,
+    "round": torch.round,  # half to even, as ONNX Round
 }
-_NUMERIC_UNARY = {"neg": torch.neg, "relu": torch.relu, "abs": torch.abs}
+_NUMERIC_UNARY = {"neg": torch.neg, "relu": torch.relu, "abs": torch.abs, "sign": torch.sign}
 
 
 def _float_unary_infer(ins: T, attrs: A) -> list[TensorType]:
@@ -89,6 +91,13 @@ def _logical_not(ins: T, attrs: A) -> list[TensorType]:
     return [ins[0].with_dtype(DType.bool)]
 
 
+@op("is_nan", ("x",), kernel=lambda xs, a: torch.isnan(xs[0]))
+def _is_nan(ins: T, attrs: A) -> list[TensorType]:
+    if not ins[0].dtype.is_float:
+        raise ShapeError(f"is_nan needs a float operand, got {ins[0].dtype}")
+    return [ins[0].with_dtype(DType.bool)]
+
+
 @op("cast", ("x",), {"dtype": Attr("dtype")}, kernel=lambda xs, a: xs[0].to(a["dtype"].torch))
 def _cast(ins: T, attrs: A) -> list[TensorType]:
     return [ins[0].with_dtype(attrs["dtype"])]
@@ -97,12 +106,13 @@ def _cast(ins: T, attrs: A) -> list[TensorType]:
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
     "maximum": torch.maximum, "minimum": torch.minimum,
-    "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
+    "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or, "bitwise_xor": torch.bitwise_xor,
 }
 # Which operand dtypes each binary op takes (the kernel's dtype is then the operands').
 _BINARY_DTYPES = {
     "sub": lambda d: d != DType.bool, "pow": lambda d: d != DType.bool, "div": lambda d: d.is_float,
     "bitwise_and": lambda d: not d.is_float, "bitwise_or": lambda d: not d.is_float,
+    "bitwise_xor": lambda d: not d.is_float,
 }
 _COMPARE = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
 
@@ -155,18 +165,36 @@ def _amax(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor
     return torch.amax(x, dim=axes, keepdim=keepdim)
 
 
+def _prod(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    for ax in sorted(axes, reverse=True):
+        x = torch.prod(x, dim=ax, keepdim=keepdim, dtype=x.dtype)
+    return x
+
+
 _REDUCE = {
     "reduce_mean": lambda x, ax, k: torch.mean(x, dim=ax, keepdim=k),
     "reduce_sum": lambda x, ax, k: torch.sum(x, dim=ax, keepdim=k, dtype=x.dtype),
     "reduce_max": _amax,
+    "reduce_min": lambda x, ax, k: torch.amin(x, dim=ax, keepdim=k),
+    "reduce_prod": _prod,
 }
 for _name, _fn in _REDUCE.items():
     op(_name, ("x",), {"axes": Attr("ints"), "keepdim": Attr("bool", False)},
        kernel=lambda xs, a, _fn=_fn: _fn(xs[0], tuple(a["axes"]), a["keepdim"]))(_reduce_infer)
 
 
-@op("cumsum", ("x",), {"axis": Attr("int")},
-    kernel=lambda xs, a: torch.cumsum(xs[0], dim=a["axis"], dtype=xs[0].dtype))
+def _cumsum_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, ax = xs[0], a["axis"]
+    if a["reverse"]:
+        x = torch.flip(x, (ax,))
+    y = torch.cumsum(x, dim=ax, dtype=x.dtype)
+    if a["exclusive"]:
+        y = y - x
+    return torch.flip(y, (ax,)) if a["reverse"] else y
+
+
+@op("cumsum", ("x",), {"axis": Attr("int"), "exclusive": Attr("bool", False), "reverse": Attr("bool", False)},
+    kernel=_cumsum_kernel)
 def _cumsum(ins: T, attrs: A) -> list[TensorType]:
     norm_axis(attrs["axis"], ins[0].rank)
     return [ins[0]]
@@ -277,8 +305,10 @@ def _gather_infer(ins: T, attrs: A) -> list[TensorType]:
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, axis: int) -> torch.Tensor:
-    flat = torch.index_select(x, axis, idx.reshape(-1).long())
     ax = axis % x.dim()
+    idx = idx.long()
+    idx = torch.where(idx < 0, idx + x.shape[ax], idx)  # negative indices count from the end
+    flat = torch.index_select(x, ax, idx.reshape(-1))
     return flat.reshape(x.shape[:ax] + idx.shape + x.shape[ax + 1:])
 
 
@@ -374,3 +404,205 @@ def _sdpa(ins: T, attrs: A) -> list[TensorType]:
         broadcast(ins[3].shape, q.shape[:-1] + (k.shape[-2],))
     _same_dtype(ins[:3])
     return [TensorType(q.shape[:-1] + (v.shape[-1],), q.dtype)]
+
+
+# -- more data movement -------------------------------------------------------------
+
+def _gather_nd_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    data, idx = xs[0], xs[1].long()
+    b = a["batch_dims"]
+    k = idx.shape[-1]
+    bshape = data.shape[:b]
+    nb = math.prod(bshape)
+    d = data.reshape((nb,) + data.shape[b:])
+    i = idx.reshape((nb, -1, k))
+    dims = torch.tensor(data.shape[b:b + k])
+    i = torch.where(i < 0, i + dims, i)
+    out = torch.stack([d[n][tuple(i[n, :, j] for j in range(k))] for n in range(nb)])
+    return out.reshape(tuple(idx.shape[:-1]) + tuple(data.shape[b + k:]))
+
+
+@op("gather_nd", ("data", "indices"), {"batch_dims": Attr("int", 0)}, kernel=_gather_nd_kernel, **_dma)
+def _gather_nd(ins: T, attrs: A) -> list[TensorType]:
+    """ONNX GatherND: the last axis of `indices` addresses the leading axes of `data`."""
+    data, idx = ins
+    b = attrs["batch_dims"]
+    if idx.dtype not in (DType.i64, DType.i32) or idx.rank < 1:
+        raise ShapeError("gather_nd indices must be i64/i32 of rank >= 1")
+    k = idx.shape[-1]
+    if b + k > data.rank or data.shape[:b] != idx.shape[:b]:
+        raise ShapeError(f"gather_nd indices {idx} do not fit data {data} with batch_dims={b}")
+    return [data.with_shape(idx.shape[:-1] + data.shape[b + k:])]
+
+
+def _scatter_nd_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    data, idx, upd = xs[0].clone(), xs[1].long(), xs[2]
+    k = idx.shape[-1]
+    flat_idx = idx.reshape(-1, k)
+    flat_upd = upd.reshape((flat_idx.shape[0],) + tuple(data.shape[k:]))
+    for n in range(flat_idx.shape[0]):
+        pos = tuple(int(v) % data.shape[j] for j, v in enumerate(flat_idx[n]))
+        red = a["reduction"]
+        if red == "none":
+            data[pos] = flat_upd[n]
+        elif red == "add":
+            data[pos] += flat_upd[n]
+        elif red == "mul":
+            data[pos] *= flat_upd[n]
+        elif red == "max":
+            data[pos] = torch.maximum(data[pos], flat_upd[n])
+        else:
+            data[pos] = torch.minimum(data[pos], flat_upd[n])
+    return data
+
+
+@op("scatter_nd", ("data", "indices", "updates"), {"reduction": Attr("str", "none")}, kernel=_scatter_nd_kernel,
+    **_dma)
+def _scatter_nd(ins: T, attrs: A) -> list[TensorType]:
+    data, idx, upd = ins
+    if idx.dtype not in (DType.i64, DType.i32) or idx.rank < 1 or idx.shape[-1] > data.rank:
+        raise ShapeError(f"scatter_nd indices {idx} do not fit data {data}")
+    if upd.shape != idx.shape[:-1] + data.shape[idx.shape[-1]:] or upd.dtype != data.dtype:
+        raise ShapeError(f"scatter_nd updates {upd} do not fit indices {idx} and data {data}")
+    if attrs["reduction"] not in ("none", "add", "mul", "max", "min"):
+        raise ShapeError(f"unknown scatter_nd reduction {attrs['reduction']!r}")
+    return [data]
+
+
+@op("trilu", ("x",), {"upper": Attr("bool", True), "k": Attr("int", 0)},
+    kernel=lambda xs, a: (torch.triu if a["upper"] else torch.tril)(xs[0], a["k"]))
+def _trilu(ins: T, attrs: A) -> list[TensorType]:
+    if ins[0].rank < 2:
+        raise ShapeError("trilu needs rank >= 2")
+    return [ins[0]]
+
+
+def _arg_kernel(fn: Any) -> Any:
+    def kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+        x, ax = xs[0], a["axis"]
+        if a["select_last"]:
+            n = x.shape[ax]
+            r = n - 1 - fn(torch.flip(x, (ax,)), dim=ax, keepdim=a["keepdim"])
+        else:
+            r = fn(x, dim=ax, keepdim=a["keepdim"])
+        return r.to(torch.int64)
+
+    return kernel
+
+
+def _arg_infer(ins: T, attrs: A) -> list[TensorType]:
+    x = ins[0]
+    ax = norm_axis(attrs["axis"], x.rank)
+    shape = tuple(1 if i == ax else d for i, d in enumerate(x.shape)) if attrs["keepdim"] else \
+        tuple(d for i, d in enumerate(x.shape) if i != ax)
+    return [TensorType(shape, DType.i64)]
+
+
+for _name, _fn in {"argmax": torch.argmax, "argmin": torch.argmin}.items():
+    op(_name, ("x",), {"axis": Attr("int", 0), "keepdim": Attr("bool", True), "select_last": Attr("bool", False)},
+       kernel=_arg_kernel(_fn))(_arg_infer)
+
+
+# -- normalisations and position encodings ----------------------------------------------
+
+def _norm_axes(x: TensorType, axis: int) -> tuple[int, ...]:
+    ax = norm_axis(axis, x.rank)
+    return tuple(range(ax, x.rank))
+
+
+def _rms_norm_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x = xs[0]
+    axes = tuple(range(a["axis"] % x.dim(), x.dim()))
+    xf = x.float()  # accumulate in fp32 whatever the storage dtype
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=axes, keepdim=True) + a["eps"])
+    return (y * xs[1].float()).to(x.dtype)
+
+
+def _norm_infer(ins: T, attrs: A) -> list[TensorType]:
+    x = ins[0]
+    normalized = x.shape[norm_axis(attrs["axis"], x.rank):]
+    for t in ins[1:]:
+        if broadcast(t.shape, normalized) != normalized:
+            raise ShapeError(f"norm parameter {t} does not broadcast to the normalised shape {list(normalized)}")
+    if not x.dtype.is_float:
+        raise ShapeError("norms need float operands")
+    return [x]
+
+
+@op("rms_norm", ("x", "scale"), {"axis": Attr("int", -1), "eps": Attr("float", 1e-5)}, kernel=_rms_norm_kernel,
+    flops=lambda i, o, a: 4 * o[0].numel, doc="x / sqrt(mean(x^2 over axis..) + eps) * scale, in fp32")
+def _rms_norm(ins: T, attrs: A) -> list[TensorType]:
+    return _norm_infer(ins, attrs)
+
+
+def _layer_norm_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x = xs[0]
+    axes = tuple(range(a["axis"] % x.dim(), x.dim()))
+    xf = x.float()
+    mu = xf.mean(dim=axes, keepdim=True)
+    var = (xf - mu).pow(2).mean(dim=axes, keepdim=True)
+    y = (xf - mu) * torch.rsqrt(var + a["eps"]) * xs[1].float()
+    if len(xs) > 2:
+        y = y + xs[2].float()
+    return y.to(x.dtype)
+
+
+@op("layer_norm", ("x", "scale", "bias?"), {"axis": Attr("int", -1), "eps": Attr("float", 1e-5)},
+    kernel=_layer_norm_kernel, flops=lambda i, o, a: 8 * o[0].numel)
+def _layer_norm(ins: T, attrs: A) -> list[TensorType]:
+    return _norm_infer(ins, attrs)
+
+
+def _rope_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, cos, sin = xs[:3]
+    pos = xs[3] if len(xs) > 3 else None
+    shape = x.shape
+    if x.dim() == 4:  # [b, heads, s, d] -> [b, s, heads, d]
+        x = x.transpose(1, 2)
+    else:
+        x = x.reshape(shape[0], shape[1], a["num_heads"], -1)
+    d = x.shape[-1]
+    rd = a["rotary_dim"] or d
+    xr, xp = x[..., :rd], x[..., rd:]
+    if pos is not None:
+        cos, sin = cos[pos.long()], sin[pos.long()]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if a["interleaved"]:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr.chunk(2, dim=-1)
+    real = cos * x1 - sin * x2
+    imag = sin * x1 + cos * x2
+    if a["interleaved"]:
+        rot = torch.stack((real, imag), dim=-1).reshape(xr.shape)
+    else:
+        rot = torch.cat((real, imag), dim=-1)
+    y = torch.cat((rot, xp), dim=-1).to(x.dtype)
+    return y.transpose(1, 2) if len(shape) == 4 else y.reshape(shape)
+
+
+@op("rotary_embedding", ("x", "cos", "sin", "position_ids?"),
+    {"interleaved": Attr("bool", False), "num_heads": Attr("int", 0), "rotary_dim": Attr("int", 0)},
+    kernel=_rope_kernel, flops=lambda i, o, a: 6 * o[0].numel,
+    doc="ONNX RotaryEmbedding: x [b,h,s,d] or [b,s,h*d]; cos/sin [b,s,r/2], or [max_pos,r/2] with position_ids")
+def _rope(ins: T, attrs: A) -> list[TensorType]:
+    x, cos, sin = ins[:3]
+    if x.rank == 4:
+        b, _, s, d = x.shape
+    elif x.rank == 3 and attrs["num_heads"] > 0 and x.shape[2] % attrs["num_heads"] == 0:
+        b, s, d = x.shape[0], x.shape[1], x.shape[2] // attrs["num_heads"]
+    else:
+        raise ShapeError("rotary_embedding takes x as [b,h,s,d], or [b,s,h*d] with num_heads")
+    rd = attrs["rotary_dim"] or d
+    if rd % 2 or rd > d:
+        raise ShapeError(f"rotary_dim {rd} must be even and at most the head size {d}")
+    want = (b, s, rd // 2)
+    if len(ins) == 4:
+        pos = ins[3]
+        if pos.shape != (b, s) or pos.dtype not in (DType.i64, DType.i32) or cos.rank != 2 or cos.shape[1] != rd // 2:
+            raise ShapeError(f"rotary_embedding position_ids {pos} / cache {cos} do not fit x {x}")
+    elif cos.shape != want:
+        raise ShapeError(f"rotary_embedding cos cache {cos} should be {list(want)}")
+    if cos.shape != sin.shape or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ShapeError("rotary_embedding cos and sin caches must match each other and x's dtype")
+    return [x]

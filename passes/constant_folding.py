@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from npuc.errors import InternalError
-from npuc.ir import Graph, TensorSource, get_op
+from npuc.ir import Graph
+from npuc.ir.evaluate import fold_node, foldable
 from npuc.passes.manager import Pass, PassResult
 
 
@@ -33,22 +32,8 @@ class ConstantFolding(Pass):
         outputs = {id(v) for v in g.outputs}
         modified = False
         for node in list(g.nodes):
-            if not all(v.is_const for v in node.inputs):
+            if any(id(o) in outputs for o in node.outputs) or not foldable(node, self.max_bytes):
                 continue
-            if any(id(o) in outputs for o in node.outputs):
-                continue
-            if sum(o.type.nbytes for o in node.outputs) > self.max_bytes:
-                continue
-            if any(v.type.nbytes > self.max_bytes for v in node.inputs):
-                continue
-            with torch.no_grad():
-                results = get_op(node.op).run([v.const.load() for v in node.inputs], node.attrs)
-            for out, t in zip(node.outputs, results, strict=True):
-                if tuple(t.shape) != out.type.shape or t.dtype != out.type.dtype.torch:
-                    raise InternalError(f"folding {node.name}: kernel returned {t.dtype}{list(t.shape)}, "
-                                        f"expected {out.type}")
-                c = g.add_constant(out.name + "_folded", out.type, TensorSource(t.contiguous().clone(), "folded"))
-                g.replace_all_uses_with(out, c)
-            g.remove_node(node)
+            fold_node(g, node)
             modified = True
         return PassResult(g, modified)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from npuc.backend.om_format import OmFile
 from npuc.backend.om_schema import ModelDef
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError

@@ -6,11 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import npuc
 import pytest
 import torch
-from npuc.errors import NpucError
 from torch import nn
+
+import npuc
+from npuc.errors import NpucError
 
 
 class Block(nn.Module):
@@ -62,9 +63,12 @@ def test_pt2_static_and_dynamic(tmp_path: Path) -> None:
     out = npuc.load(str(tmp_path / "s.om")).run({"ids": ids, "x": x})
     torch.testing.assert_close(out["output_0"], m(ids, x)[0], atol=1e-5, rtol=1e-5)
 
-    # A static .pt2 cannot be compiled at another shape: say so, naming the input.
-    with pytest.raises(NpucError, match=r"ids: the \.pt2 has \[2, 4\], --input_shape says \[3, 4\]"):
+    # A static .pt2 cannot be compiled at another shape: say so, naming the input and the dims.
+    with pytest.raises(NpucError) as info:
         npuc.compile(str(tmp_path / "static.pt2"), input_shape="ids:3,4;x:3,4,8", output=str(tmp_path / "bad"))
+    assert info.value.code == "NPUC-E0115" and info.value.exit_code == 2
+    assert "- 'ids:3,4': dim 0 is 3, but the model fixes it to 2 [NPUC-E0115]" in info.value.details
+    assert "model inputs: ids: i64[2,4], x: f32[2,4,8]" in info.value.details
 
     # A dynamic .pt2 is specialised to the shapes given.
     batch = torch.export.Dim("batch", min=1, max=8)
@@ -121,5 +125,5 @@ def test_tied_embeddings_checkpoint(tmp_path: Path) -> None:
 def test_missing_input_shape_lists_inputs(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(NpucError) as info:
         npuc.compile(str(hf_checkpoints["llama"]), output=str(tmp_path / "x"))
-    assert info.value.code == "NPUC-E0106" and info.value.exit_code == 2
-    assert "input_ids" in info.value.hint
+    assert info.value.code == "NPUC-E0113" and info.value.exit_code == 2
+    assert "input 'input_ids' (i64) has dynamic dims" in info.value.message

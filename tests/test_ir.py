@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from npuc.errors import InternalError, NpucError
 from npuc.ir import DType, Graph, TensorSource, TensorType, get_op, parse_graph, print_graph, verify
 from npuc.ir.verifier import collect_problems

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from npuc.backend.memory_plan import Buffer, Plan, align_up, lower_bound, plan_memory, validate_plan
 from npuc.errors import InternalError
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from npuc.errors import InternalError
 from npuc.ir import DType, Graph, TensorSource, TensorType, get_op, parse_graph, print_graph, verify
 from npuc.passes.constant_folding import ConstantFolding

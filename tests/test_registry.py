@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from npuc.ir import DType, Graph, OpDef, TensorType, all_ops, get_op, parse_graph, print_graph, verify
 from npuc.ir.ops import ShapeError
 
@@ -63,7 +64,7 @@ def tensor(arg: Arg, gen: torch.Generator) -> torch.Tensor:
 
 
 _FLOAT_UNARY = ["neg", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "tanh", "sigmoid", "silu", "relu",
-                "reciprocal", "abs", "erf"]
+                "reciprocal", "abs", "erf", "floor", "ceil", "round", "sign"]
 _ARITH = ["add", "sub", "mul", "div", "pow", "maximum", "minimum"]
 _COMPARE = ["eq", "ne", "lt", "le", "gt", "ge"]
 
@@ -75,12 +76,27 @@ CASES: dict[str, list[Case]] = {
     **{name: [case("f32[2,3]", "f32[3]"), case("f32[2,1,3]", "f32[4,1]")] for name in _ARITH},
     "bitwise_and": [case("i64[2,3]", "i64[2,3]"), case("bool[4]", "bool[1]")],
     "bitwise_or": [case("i32[2,3]", "i32[3]"), case("bool[4]", "bool[4]")],
+    "bitwise_xor": [case("i64[2,3]", "i64[3]"), case("bool[4]", "bool[4]")],
+    "is_nan": [case("f32[2,3]"), case("f16[4]")],
+    "reduce_min": [case("f32[2,3,4]", axes=(1,)), case("i64[2,3]", axes=(0,), keepdim=True)],
+    "reduce_prod": [case("f32[2,3,4]", axes=(0, 2)), case("i64[2,3]", axes=(1,), keepdim=True)],
+    "argmax": [case("f32[2,3,4]", axis=1), case("f32[5]", axis=0, keepdim=False, select_last=True)],
+    "argmin": [case("f32[2,3,4]", axis=-1, keepdim=False), case("i64[3,2]")],
+    "gather_nd": [case("f32[5,4,3]", Idx("i64[2,2]", 4)), case("f32[2,3,4]", Idx("i64[2,1]", 3), batch_dims=1)],
+    "scatter_nd": [case("f32[5,4]", Idx("i64[2,1]", 5), "f32[2,4]"),
+                   case("f32[4,4]", Idx("i64[3,2]", 4), "f32[3]", reduction="add")],
+    "trilu": [case("f32[3,4]"), case("f32[2,4,4]", upper=False, k=-1)],
+    "rms_norm": [case("f32[2,3,8]", "f32[8]", eps=1e-6), case("f16[4,8]", "f16[8]", axis=0)],
+    "layer_norm": [case("f32[2,3,8]", "f32[8]", "f32[8]"), case("f32[4,8]", "f32[4,8]", axis=0)],
+    "rotary_embedding": [case("f32[1,2,5,8]", "f32[1,5,4]", "f32[1,5,4]"),
+                         case("f32[2,5,16]", "f32[9,2]", "f32[9,2]", Idx("i64[2,5]", 9), num_heads=2,
+                              rotary_dim=4, interleaved=True)],
     **{name: [case("f32[2,3]", "f32[3]"), case("i64[4,1]", "i64[1,5]")] for name in _COMPARE},
     "where": [case("bool[2,3]", "f32[3]", "f32[2,1]"), case("bool[1]", "i64[4]", "i64[4]")],
     "reduce_mean": [case("f32[2,3,4]", axes=(1,)), case("f32[2,3,4]", axes=(-1, 0), keepdim=True)],
     "reduce_sum": [case("f32[2,3,4]", axes=(2,)), case("i64[2,3]", axes=(0, 1), keepdim=True)],
     "reduce_max": [case("f32[2,3,4]", axes=(0,)), case("f16[2,3]", axes=(-1,), keepdim=True)],
-    "cumsum": [case("f32[2,3]", axis=-1), case("i64[5]", axis=0)],
+    "cumsum": [case("f32[2,3]", axis=-1), case("i64[5]", axis=0, exclusive=True, reverse=True)],
     "softmax": [case("f32[2,3,4]", axis=-1), case("f32[2,3]", axis=0)],
     "reshape": [case("f32[2,3,4]", shape=(6, 4)), case("i64[6]", shape=(1, 2, 1, 3)), case("f32[1]", shape=())],
     "transpose": [case("f32[2,3,4]", perm=(2, 0, 1)), case("f32[5]", perm=(0,))],
