@@ -1,0 +1,35 @@
+"""Generates docs/ops.md from the op registry and the frontends' converter tables.
+
+    python docs/gen_ops.py > docs/ops.md        (tests/test_docs.py checks it is current)
+"""
+
+from __future__ import annotations
+
+
+def render() -> str:
+    from npuc.compiler.onnx_frontend import CONVERTERS as ONNX
+    from npuc.compiler.onnx_frontend import MAX_OPSET, MIN_OPSET
+    from npuc.compiler.torch_frontend import CONVERTERS as ATEN
+    from npuc.ir import all_ops
+
+    ops = all_ops()
+    lines = ["# Supported operators", "", "## npuc IR ops", "",
+             "Each is declared once in `ir/ops.py`: shape rule, torch reference kernel, FLOPs and unit.", "",
+             "| op | inputs | attributes | unit |", "|---|---|---|---|"]
+    for n in sorted(ops):
+        o = ops[n]
+        attrs = ", ".join(f"{k}: {a.kind}" for k, a in o.attrs.items())
+        lines.append(f"| `{n}` | {', '.join(o.inputs) or '-'} | {attrs or '-'} | {o.unit} |")
+    lines += ["", f"## ONNX frontend (opsets {MIN_OPSET} to {MAX_OPSET}, domain ai.onnx)", "",
+              "Values that ops need as data (Reshape's shape, Slice's starts, ...) must be computable at compile "
+              "time once the input shapes are fixed; shape arithmetic from dynamic exports is.", ""]
+    lines += [f"- `{t}`" for t in sorted(ONNX)]
+    lines += ["", "## torch frontend (ATen overloads)", "",
+              "`torch.export` programs are taken in functional ATen without default decompositions. "
+              "These overloads convert (ignored: `_assert_tensor_metadata` and other runtime asserts):", ""]
+    lines += [f"- `{t}`" for t in sorted(ATEN)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
