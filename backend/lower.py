@@ -129,24 +129,40 @@ def lower(g: Graph, target: Target, metadata: dict[str, str] | None = None) -> L
     return Lowered(model, weights, offsets, weights_bytes, plan)
 
 
-def weight_chunks(low: Lowered, digest: Any = None) -> Iterator[bytes]:
-    """Stream the weights section: each constant loaded from its source, one at a time."""
+def _weight_bytes(v: Value) -> Iterator[bytes | memoryview]:
+    """One constant's bytes. A source that can stream its raw bytes (an external data
+    file) does, in bounded chunks; any other is loaded as one tensor and viewed, not copied."""
+    src = v.const
+    if src is None:
+        raise InternalError(f"{v.ref()} is not a constant")
+    raw = getattr(src, "raw_chunks", None)
+    chunks = raw(v.type) if raw is not None else None
+    if chunks is not None:
+        yield from chunks
+        return
+    t = src.load()
+    want = v.type
+    if tuple(t.shape) != want.shape or t.dtype != want.dtype.torch:
+        if t.numel() != want.numel:
+            raise InternalError(f"weight {v.name} loads as {t.dtype}{list(t.shape)}, expected {want}")
+        t = t.to(want.dtype.torch).reshape(want.shape)
+    if t.numel():
+        yield memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]:
+    """Stream the weights section: each constant read from its source, one at a time."""
     cursor = 0
     for v, off in zip(low.weights, low.weight_offsets, strict=True):
         if off > cursor:
             yield b"\0" * (off - cursor)
-        t = v.const.load()
-        want = v.type
-        if tuple(t.shape) != want.shape or t.dtype != want.dtype.torch:
-            if t.numel() == want.numel:
-                t = t.to(want.dtype.torch).reshape(want.shape)
-            else:
-                raise InternalError(f"weight {v.name} loads as {t.dtype}{list(t.shape)}, expected {want}")
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        if digest is not None:
-            digest.update(data)
-        yield data
-        cursor = off + len(data)
+        n = 0
+        for chunk in _weight_bytes(v):
+            n += len(chunk)
+            yield chunk
+        if n != v.type.nbytes:
+            raise InternalError(f"weight {v.name} gave {n} bytes, expected {v.type.nbytes}")
+        cursor = off + n
     if cursor != low.weights_bytes:
         raise InternalError("weights section size mismatch")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 from npuc.compiler.shapes import DeclaredInput
+from npuc.compiler.weights import file_range_chunks, safetensors_layout
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
-from npuc.ir import ConstSource, TensorSource
+from npuc.ir import ConstSource, TensorSource, TensorType
 
 _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"}
 
@@ -29,8 +31,18 @@ _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", 
 class SafetensorsSource:
     """One tensor of a safetensors file, read on demand and cast to the model's dtype."""
 
-    def __init__(self, path: str, key: str, dtype: torch.dtype) -> None:
-        self.path, self.key, self.dtype = path, key, dtype
+    def __init__(self, path: str, key: str, dtype: torch.dtype,
+                 layout: tuple[str, tuple[int, ...], int, int] | None = None) -> None:
+        self.path, self.key, self.dtype, self.layout = path, key, dtype, layout
+
+    def raw_chunks(self, want: TensorType) -> Iterator[bytes] | None:
+        """The stored bytes, streamed, when they already are what the .om wants."""
+        if self.layout is None:
+            return None
+        dtype, shape, offset, length = self.layout
+        if dtype != want.dtype.value or shape != want.shape or length != want.nbytes:
+            return None
+        return file_range_chunks(self.path, offset, length, f"weight {self.key!r}")
 
     def load(self) -> torch.Tensor:
         from safetensors import safe_open
@@ -123,15 +135,17 @@ def _parameters_without_memory() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _safetensors_index(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    index: dict[str, str] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                index[k] = str(f)
+def _safetensors_index(path: Path) -> dict[str, tuple[str, tuple[str, tuple[int, ...], int, int] | None]]:
+    """key -> (file, byte layout), from the files' headers alone."""
+    index: dict[str, tuple[str, tuple[str, tuple[int, ...], int, int] | None]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            layout = safetensors_layout(str(f))
+        except (OSError, ValueError, KeyError, struct.error) as e:
+            raise NpucError("NPUC-E0407", f"cannot read the safetensors header of {str(f)!r}: {e}",
+                            "the checkpoint file is damaged", exit_code=EXIT_IO) from None
+        for k, lay in layout.items():
+            index[k] = (str(f), lay)
     return index
 
 
@@ -179,7 +193,8 @@ def load_hf_dir(path: Path) -> LoadedModel:
         if key is None:
             missing.append(names[0])
             continue
-        src = SafetensorsSource(index[key], key, p.dtype)
+        file, layout = index[key]
+        src = SafetensorsSource(file, key, p.dtype, layout)
         for n in names:
             sources[n] = src
     if missing:
@@ -192,7 +207,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
         for pname, p in list(mod._parameters.items()):
             if p is not None:
                 mod._parameters[pname] = fresh[id(p)]
-    files = [str(path / "config.json")] + sorted(set(index.values()))
+    files = [str(path / "config.json")] + sorted({f for f, _ in index.values()})
     dtypes = {n: torch.int64 for n in _INT_INPUTS}
     return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
 

@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 
 
 class ConstSource(Protocol):
-    """Where a constant's bytes come from; `load` is called only when needed."""
+    """Where a constant's bytes come from; `load` is called only when needed.
+
+    A source may also offer `raw_chunks(type) -> Iterator[bytes] | None`: its bytes,
+    exactly as `type` lays them out, in bounded chunks (or None when it cannot),
+    so that the backend copies a large weight without holding it in memory.
+    """
 
     def load(self) -> torch.Tensor: ...
 

@@ -23,3 +23,32 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_checkpoint(arch, str(root / arch))
         out[arch] = root / arch
     return out
+
+
+ONNX_OPSETS = [18, 23]
+
+
+@pytest.fixture(scope="session")
+def onnx_exports(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[tuple[str, int], Path]:
+    """Each tiny HF model exported with torch.onnx.export(dynamo=True) at opsets 18 and 23, once per session.
+
+    Exported with a dynamic batch and sequence, as deployment exports usually are."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("onnx")
+    out = {}
+    for arch, ckpt in hf_checkpoints.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+        ids = torch.zeros(1, 16, dtype=torch.long)
+        for opset in ONNX_OPSETS:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prog = torch.onnx.export(model, (), kwargs={"input_ids": ids, "use_cache": False}, dynamo=True,
+                                         opset_version=opset, verbose=False,
+                                         dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "use_cache": None})
+            path = root / f"{arch}_opset{opset}.onnx"
+            prog.save(str(path))
+            out[(arch, opset)] = path
+    return out

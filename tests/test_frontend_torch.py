@@ -127,3 +127,21 @@ def test_missing_input_shape_lists_inputs(hf_checkpoints: dict[str, Path], tmp_p
         npuc.compile(str(hf_checkpoints["llama"]), output=str(tmp_path / "x"))
     assert info.value.code == "NPUC-E0113" and info.value.exit_code == 2
     assert "input 'input_ids' (i64) has dynamic dims" in info.value.message
+
+
+def test_checkpoint_weights_stream_without_loading(hf_checkpoints: dict[str, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 safetensors weights are copied into the .om as file ranges: no tensor is ever loaded."""
+    from npuc.compiler.loaders import SafetensorsSource
+
+    loads: list[str] = []
+    original = SafetensorsSource.load
+    monkeypatch.setattr(SafetensorsSource, "load", lambda self: loads.append(self.key) or original(self))
+    path = npuc.compile(str(hf_checkpoints["qwen2"]), input_shape="input_ids:1,16", output=str(tmp_path / "q"))
+    assert loads == []
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_checkpoints["qwen2"])).eval()
+    ids = torch.arange(16).reshape(1, 16)
+    torch.testing.assert_close(npuc.load(path).run({"input_ids": ids})["logits"], model(ids).logits,
+                               atol=1e-4, rtol=0)

@@ -1,0 +1,108 @@
+"""`--input_shape` in ATC's syntax: every refusal, with its exact message and exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+INPUTS = "model inputs: input_ids: i64[batch,seq], attention_mask: i64[batch,seq], x:0: f32[2,3]"
+HINT = 'hint: write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16"'
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three inputs: two with dynamic dims, one static and named like a TF tensor (`x:0`)."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"])
+    x = helper.make_tensor_value_info("x:0", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, None)
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Add", ["input_ids", "attention_mask"], ["y"]),
+             helper.make_node("Neg", ["x:0"], ["z"])]
+    m = helper.make_model(helper.make_graph(nodes, "g", [ids, mask, x], [y, z]),
+                          opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path_factory.mktemp("shapes") / "m.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+def compile_(model: Path, shape: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "npuc", "compile", str(model), "--input_shape", shape,
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+
+
+def expect(r: subprocess.CompletedProcess[str], *lines: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == list(lines)
+
+
+CASES = {
+    "unknown name": (
+        "input_ids:1,4;attention_mask:1,4;input_idz:1,4",
+        "npuc: error NPUC-E0102: 'input_idz:1,4': the model has no input 'input_idz' (closest: 'input_ids')"),
+    "not an integer": (
+        "input_ids:1,four;attention_mask:1,4",
+        "npuc: error NPUC-E0101: 'input_ids:1,four': dim 1 ('four') is not an integer"),
+    "zero": (
+        "input_ids:0,4;attention_mask:1,4",
+        "npuc: error NPUC-E0101: 'input_ids:0,4': dim 0 is 0; dims must be positive"),
+    "negative": (
+        "input_ids:1,-3;attention_mask:1,4",
+        "npuc: error NPUC-E0101: 'input_ids:1,-3': dim 1 is -3; dims must be positive"),
+    "minus one": (
+        "input_ids:1,-1;attention_mask:1,4",
+        "npuc: error NPUC-E0101: 'input_ids:1,-1': dim 1 is -1; npuc compiles static shapes only"),
+    "rank": (
+        "input_ids:1,4,2;attention_mask:1,4",
+        "npuc: error NPUC-E0114: 'input_ids:1,4,2': rank 3, but input 'input_ids' is i64[batch,seq] (rank 2)"),
+    "dynamic dims without a shape": (
+        "input_ids:1,4",
+        "npuc: error NPUC-E0113: input 'attention_mask' (i64[batch,seq]) has dynamic dims and --input_shape "
+        "gives it no shape"),
+    "twice": (
+        "input_ids:1,4;attention_mask:1,4;input_ids:1,8",
+        "npuc: error NPUC-E0116: input 'input_ids' is given twice ('input_ids:1,4' and 'input_ids:1,8')"),
+    "fixed dim": (
+        "input_ids:1,4;attention_mask:1,4;x:0:3,3",
+        "npuc: error NPUC-E0115: 'x:0:3,3': dim 0 is 3, but the model fixes it to 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_refusal(case: str, model: Path, tmp_path: Path) -> None:
+    shape, first = CASES[case]
+    expect(compile_(model, shape, tmp_path), first, "  " + INPUTS, "  " + HINT)
+    assert not (tmp_path / "out.om").exists()
+
+
+def test_all_problems_reported_together(model: Path, tmp_path: Path) -> None:
+    r = compile_(model, "input_id:1,x;attention_mask:1,-1,2;x:0:2,3;x:0:2,3", tmp_path)
+    expect(r,
+           "npuc: error NPUC-E0101: 5 problems with --input_shape 'input_id:1,x;attention_mask:1,-1,2;x:0:2,3;x:0:2,3'",
+           "  - 'input_id:1,x': dim 1 ('x') is not an integer [NPUC-E0101]",
+           "  - 'attention_mask:1,-1,2': dim 1 is -1; npuc compiles static shapes only [NPUC-E0101]",
+           "  - input 'x:0' is given twice ('x:0:2,3' and 'x:0:2,3') [NPUC-E0116]",
+           "  - 'input_id:1,x': the model has no input 'input_id' (closest: 'input_ids') [NPUC-E0102]",
+           "  - input 'input_ids' (i64[batch,seq]) has dynamic dims and --input_shape gives it no shape [NPUC-E0113]",
+           "  " + INPUTS, "  " + HINT)
+
+
+def test_names_split_on_the_last_colon_and_static_inputs_need_no_shape(model: Path, tmp_path: Path) -> None:
+    import npuc
+
+    path = npuc.compile(str(model), input_shape=" input_ids:2,5 ; attention_mask:2,5 ", output=str(tmp_path / "ok"))
+    a = np.arange(10, dtype=np.int64).reshape(2, 5)
+    x = np.ones((2, 3), dtype=np.float32)
+    out = npuc.load(path).run({"input_ids": a, "attention_mask": a, "x:0": x})
+    np.testing.assert_array_equal(out["y"].numpy(), a + a)
+    np.testing.assert_array_equal(out["z"].numpy(), -x)
+    path = npuc.compile(str(model), input_shape="input_ids:1,3;attention_mask:1,3;x:0:2,3", output=str(tmp_path / "b"))
+    assert npuc.load(path).inputs[2].shape == (2, 3)
