@@ -45,7 +45,7 @@ def _specialise_program(ep: torch.export.ExportedProgram, shapes: dict[str, tupl
         if s.kind.name != "USER_INPUT":
             continue
         name = getattr(s.arg, "name", None)
-        if name in inputs:
+        if name is not None and name in inputs:
             flat.append(torch.zeros(shapes[name], dtype=inputs[name][1]))
         else:
             flat.append(getattr(s.arg, "value", None))

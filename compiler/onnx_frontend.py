@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from npuc.compiler.shapes import DeclaredInput
+from npuc.compiler.weights import file_range_chunks
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, InternalError, NpucError
 from npuc.ir import DType, Graph, TensorSource, TensorType, Value, get_op
 from npuc.ir.evaluate import fold_node, foldable
@@ -67,31 +69,38 @@ class OnnxTensorSource:
     def files(self) -> list[str]:
         return [os.path.join(self.base_dir, self.location)] if self.location else []
 
+    def _external(self) -> tuple[str, int]:
+        path = os.path.join(self.base_dir, self.location or "")
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if self.length is not None and self.length < nbytes:
+            raise NpucError("NPUC-E0404", f"external data of {self.tensor.name!r} declares {self.length} bytes, "
+                            f"its shape needs {nbytes}", "the model file is inconsistent", exit_code=EXIT_IO)
+        return path, nbytes
+
+    def raw_chunks(self, want: TensorType) -> Iterator[bytes] | None:
+        """External bytes are already little-endian and contiguous: stream them as they are."""
+        if self.location is None or want.dtype != self.dtype or want.shape != self.shape:
+            return None
+        path, nbytes = self._external()
+        return file_range_chunks(path, self.offset, nbytes, f"external data of {self.tensor.name!r}")
+
     def load(self) -> torch.Tensor:
         np_dtype = _NP[self.dtype]
-        count = int(np.prod(self.shape, dtype=np.int64))
         if self.location is not None:
-            path = os.path.join(self.base_dir, self.location)
-            nbytes = count * np.dtype(np_dtype).itemsize
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offset)
-                    raw = f.read(nbytes)
-            except OSError as e:
-                raise NpucError("NPUC-E0401", f"cannot read external data {path!r} of {self.tensor.name!r}: "
-                                f"{e.strerror}", "keep the data file beside the .onnx", exit_code=EXIT_IO) from None
-            if len(raw) != nbytes:
-                raise NpucError("NPUC-E0404", f"external data {path!r} is too short for {self.tensor.name!r}",
-                                "the data file is truncated", exit_code=EXIT_IO)
-            arr = np.frombuffer(raw, dtype=np_dtype).reshape(self.shape)
-        else:
-            from onnx import numpy_helper
+            path, nbytes = self._external()
+            raw = bytearray()
+            for chunk in file_range_chunks(path, self.offset, nbytes, f"external data of {self.tensor.name!r}"):
+                raw += chunk
+            t = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            t = t.view(self.dtype.torch).reshape(self.shape)
+            return t
+        from onnx import numpy_helper
 
-            arr = numpy_helper.to_array(self.tensor)
-            if self.dtype == DType.bf16:
-                arr = np.asarray(arr).view(np.uint16) if arr.dtype.itemsize == 2 else \
-                    torch.from_numpy(np.asarray(arr, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
-            arr = np.asarray(arr).reshape(self.shape)
+        arr = numpy_helper.to_array(self.tensor)
+        if self.dtype == DType.bf16:
+            arr = np.asarray(arr).view(np.uint16) if arr.dtype.itemsize == 2 else \
+                torch.from_numpy(np.asarray(arr, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+        arr = np.asarray(arr).reshape(self.shape)
         t = torch.from_numpy(np.array(arr, dtype=np_dtype, copy=True))
         return t.view(torch.bfloat16) if self.dtype == DType.bf16 else t
 
@@ -164,6 +173,11 @@ def supported_op_types() -> list[str]:
     return sorted(CONVERTERS)
 
 
+def supported_elem_types() -> list[int]:
+    """The ONNX TensorProto element types npuc represents."""
+    return sorted(_DTYPES)
+
+
 class _Ctx:
     def __init__(self, g: Graph, opset: int) -> None:
         self.g = g
@@ -203,7 +217,7 @@ class _Ctx:
         t = torch.as_tensor(np.asarray(data), dtype=dtype.torch)
         return self.g.add_constant(name, TensorType(tuple(t.shape), dtype), TensorSource(t, "onnx"))
 
-    def data(self, v: Value | None, what: str) -> list[Any] | Any:
+    def data(self, v: Value | None, what: str) -> Any:
         """The value of `v`, which must be known at compile time once shapes are fixed."""
         if v is None:
             raise InternalError("data() of a missing input")
@@ -270,10 +284,21 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
     outs = [env[o.name] for o in proto.graph.output]
     outs = distinct_outputs(g, outs)
     for o, v in zip(proto.graph.output, outs, strict=True):
+        if v.name != o.name:
+            _free_name(g, o.name)
         if v.name != o.name and o.name not in g._names:
             g.rename(v, o.name)
     g.set_outputs(outs)
     return g
+
+
+def _free_name(g: Graph, name: str) -> None:
+    """Move an intermediate off `name`, which a graph output must carry: converters name
+    their helper values after the ONNX node's first output, so one may hold it already."""
+    for v in g.values():
+        if v.name == name and not v.is_input:
+            g.rename(v, g.fresh_name(name))
+            return
 
 
 def distinct_outputs(g: Graph, outs: list[Value]) -> list[Value]:
@@ -390,7 +415,9 @@ def _cast_like(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
 _UNARY = {"Neg": "neg", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Exp": "exp", "Log": "log", "Cos": "cos",
           "Sin": "sin", "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu", "Abs": "abs", "Erf": "erf",
           "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign", "Not": "logical_not",
-          "IsNaN": "is_nan"}
+          "IsNaN": "is_nan", "Tan": "tan", "Sinh": "sinh", "Cosh": "cosh", "Asin": "asin", "Acos": "acos",
+          "Atan": "atan", "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Softplus": "softplus",
+          "Softsign": "softsign", "Mish": "mish", "HardSwish": "hardswish", "BitwiseNot": "bitwise_not"}
 
 
 def _unary(op: str) -> OnnxConverter:
@@ -405,6 +432,37 @@ for _k, _v in _UNARY.items():
     CONVERTERS[_k] = _unary(_v)
 
 
+# ONNX activation -> (npuc op, its attributes with ONNX's defaults).
+_ACTIVATIONS: dict[str, tuple[str, dict[str, float]]] = {
+    "Elu": ("elu", {"alpha": 1.0}), "Celu": ("celu", {"alpha": 1.0}),
+    "Selu": ("selu", {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875}),
+    "LeakyRelu": ("leaky_relu", {"alpha": 0.01}), "HardSigmoid": ("hard_sigmoid", {"alpha": 0.2, "beta": 0.5}),
+    "ThresholdedRelu": ("thresholded_relu", {"alpha": 1.0}),
+}
+
+
+@converts(*_ACTIVATIONS)
+def _activation(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    assert ins[0] is not None
+    op, defaults = _ACTIVATIONS[node.op_type]
+    return [ctx.one(op, [ins[0]], {k: float(a.get(k, d)) for k, d in defaults.items()})]
+
+
+@converts("PRelu")
+def _prelu(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    x, slope = ins[0], ins[1]
+    assert x is not None and slope is not None
+    neg = ctx.one("lt", [x, ctx.const(0, x.type.dtype)])
+    return [ctx.one("where", [neg, ctx.one("mul", [x, slope]), x])]
+
+
+@converts("IsInf")
+def _is_inf(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    assert ins[0] is not None
+    return [ctx.one("is_inf", [ins[0]], {"detect_negative": bool(a.get("detect_negative", 1)),
+                                         "detect_positive": bool(a.get("detect_positive", 1))})]
+
+
 @converts("Gelu")
 def _gelu(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     assert ins[0] is not None
@@ -413,7 +471,8 @@ def _gelu(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> l
 
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Max": "maximum", "Min": "minimum", "And": "bitwise_and",
            "Or": "bitwise_or", "Xor": "bitwise_xor", "Equal": "eq", "Less": "lt", "LessOrEqual": "le",
-           "Greater": "gt", "GreaterOrEqual": "ge"}
+           "Greater": "gt", "GreaterOrEqual": "ge", "BitwiseAnd": "bitwise_and", "BitwiseOr": "bitwise_or",
+           "BitwiseXor": "bitwise_xor"}
 
 
 def _binary(op: str) -> OnnxConverter:
@@ -451,6 +510,12 @@ def _div(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> li
     # Integer division truncates toward zero, which a float division then a cast does.
     q = ctx.one("div", [ctx.cast(x, DType.f64), ctx.cast(y, DType.f64)], name=f"{node.output[0]}_f")
     return [ctx.cast(q, x.type.dtype)]
+
+
+@converts("Mod")
+def _mod(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    assert ins[0] is not None and ins[1] is not None
+    return [ctx.one("mod", [ins[0], ins[1]], {"fmod": bool(a.get("fmod", 0))})]
 
 
 @converts("Pow")
@@ -522,7 +587,8 @@ def _reshape(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -
 def _flatten(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     x = ins[0]
     assert x is not None
-    ax = a.get("axis", 1) % (x.type.rank + 1) if x.type.rank else 0
+    ax = a.get("axis", 1)
+    ax = ax + x.type.rank if ax < 0 else ax  # axis is in [-r, r]: -1 keeps all but the last axis in front
     s = x.type.shape
     return [ctx.reshape(x, (int(np.prod(s[:ax], dtype=np.int64)), int(np.prod(s[ax:], dtype=np.int64))))]
 
@@ -622,6 +688,53 @@ def _scatter_nd(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]
     return [ctx.one("scatter_nd", [v for v in ins[:3] if v is not None], {"reduction": a.get("reduction", "none")})]
 
 
+@converts("GatherElements")
+def _gather_elements(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    assert ins[0] is not None and ins[1] is not None
+    return [ctx.one("gather_elements", [ins[0], ins[1]], {"axis": a.get("axis", 0) % ins[0].type.rank})]
+
+
+@converts("ScatterElements")
+def _scatter_elements(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    assert ins[0] is not None and ins[1] is not None and ins[2] is not None
+    return [ctx.one("scatter_elements", [ins[0], ins[1], ins[2]],
+                    {"axis": a.get("axis", 0) % ins[0].type.rank, "reduction": a.get("reduction", "none")})]
+
+
+@converts("Tile")
+def _tile(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    """[d0, d1] tiled [r0, r1] = [1, d0, 1, d1] expanded to [r0, d0, r1, d1], reshaped to [r0*d0, r1*d1]."""
+    x = ins[0]
+    assert x is not None
+    reps = [int(r) for r in ctx.data(ins[1], "repeats")]
+    s = x.type.shape
+    if len(reps) != len(s):
+        raise NpucError("NPUC-E0311", f"{ctx.where}: {len(reps)} repeats for a rank-{len(s)} input",
+                        "the model is inconsistent at the shapes given; check --input_shape", exit_code=EXIT_USAGE)
+    if all(r == 1 for r in reps):
+        return [x]
+    spread = ctx.reshape(x, [d for dim in s for d in (1, dim)])
+    y = ctx.one("expand", [spread], {"shape": tuple(d for r, dim in zip(reps, s, strict=True) for d in (r, dim))})
+    return [ctx.reshape(y, [r * dim for r, dim in zip(reps, s, strict=True)])]
+
+
+@converts("Pad")
+def _pad(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    x = ins[0]
+    assert x is not None
+    r = x.type.rank
+    raw = list(a["pads"]) if "pads" in a else [int(p) for p in ctx.data(ins[1], "pads")]
+    axes = [int(v) for v in ctx.data(ins[3], "axes")] if len(ins) > 3 and ins[3] is not None else list(range(r))
+    pads = [0] * (2 * r)
+    for i, ax in enumerate(axes):  # ONNX lists begins then ends, for the given axes only
+        pads[ax % r], pads[ax % r + r] = int(raw[i]), int(raw[i + len(axes)])
+    if not any(pads):
+        return [x]
+    mode = a.get("mode", "constant")
+    value = ins[2] if mode == "constant" and len(ins) > 2 and ins[2] is not None else None
+    return [ctx.one("pad", [x] if value is None else [x, value], {"pads": tuple(pads), "mode": mode})]
+
+
 @converts("Expand")
 def _expand(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     x = ins[0]
@@ -665,37 +778,104 @@ def _trilu(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> 
     return [ctx.one("trilu", [ins[0]], {"upper": bool(a.get("upper", 1)), "k": k})]
 
 
+@converts("TopK")
+def _topk(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    x = ins[0]
+    assert x is not None
+    k = ctx.data(ins[1], "k")
+    k = int(k[0] if isinstance(k, list) else k)
+    # sorted=0 leaves the order to the backend: npuc always returns it sorted.
+    return ctx.emit("topk", [x], {"k": k, "axis": a.get("axis", -1) % x.type.rank,
+                                  "largest": bool(a.get("largest", 1))})
+
+
+@converts("Dropout")
+def _dropout(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    """Inference: the identity, and an all-true mask. Training with a non-zero ratio is random."""
+    x = ins[0]
+    assert x is not None
+    if len(ins) > 2 and ins[2] is not None and ctx.data(ins[2], "training_mode"):
+        ratio = ctx.data(ins[1], "ratio") if len(ins) > 1 and ins[1] is not None else a.get("ratio", 0.5)
+        if ratio:
+            raise ctx.unsupported("Dropout in training mode")
+    mask = None
+    if len(node.output) > 1 and node.output[1]:
+        mask = ctx.one("full", [], {"shape": x.type.shape, "value": 1.0, "dtype": DType.bool},
+                       name=node.output[1])
+    return [x, mask]
+
+
+@converts("Einsum")
+def _einsum(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    vals = [v for v in ins if v is not None]
+    return [ctx.one("einsum", vals, {"equation": a["equation"].replace(" ", "")})]
+
+
 @converts("Softmax", "LogSoftmax")
 def _softmax(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     x = ins[0]
     assert x is not None
-    y = ctx.one("softmax", [x], {"axis": a.get("axis", -1) % x.type.rank})
-    return [ctx.one("log", [y]) if node.op_type == "LogSoftmax" else y]
+    op = "log_softmax" if node.op_type == "LogSoftmax" else "softmax"
+    return [ctx.one(op, [x], {"axis": a.get("axis", -1) % x.type.rank})]
 
 
 _REDUCE = {"ReduceMean": "reduce_mean", "ReduceSum": "reduce_sum", "ReduceMax": "reduce_max",
            "ReduceMin": "reduce_min", "ReduceProd": "reduce_prod"}
 
 
+def _reduce_attrs(ctx: _Ctx, x: Value, ins: list[Value | None], a: dict[str, Any]) -> dict[str, Any] | None:
+    """An ONNX Reduce* node's npuc attributes, or None when it reduces over no axis."""
+    axes = _axes(ctx, ins, a, 1)
+    if not axes:
+        if a.get("noop_with_empty_axes", 0):
+            return None
+        axes = list(range(x.type.rank))
+    if x.type.rank == 0:
+        return None
+    return {"axes": tuple(sorted({ax % x.type.rank for ax in axes})), "keepdim": bool(a.get("keepdims", 1))}
+
+
 def _reduce(op: str) -> OnnxConverter:
     def conv(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
         x = ins[0]
         assert x is not None
-        axes = _axes(ctx, ins, a, 1)
-        if not axes:
-            if a.get("noop_with_empty_axes", 0):
-                return [x]
-            axes = list(range(x.type.rank))
-        if x.type.rank == 0:
-            return [x]
-        norm = tuple(sorted({ax % x.type.rank for ax in axes}))
-        return [ctx.one(op, [x], {"axes": norm, "keepdim": bool(a.get("keepdims", 1))})]
+        r = _reduce_attrs(ctx, x, ins, a)
+        return [x if r is None else ctx.one(op, [x], r)]
 
     return conv
 
 
 for _k, _v in _REDUCE.items():
     CONVERTERS[_k] = _reduce(_v)
+
+
+@converts("ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")
+def _reduce_composite(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    """A sum between elementwise steps; with no axis to reduce only the elementwise steps remain."""
+    x = ins[0]
+    assert x is not None
+    r = _reduce_attrs(ctx, x, ins, a)
+
+    def total(v: Value) -> Value:
+        return v if r is None else ctx.one("reduce_sum", [v], r)
+
+    t = node.op_type
+    if t == "ReduceL1":
+        return [total(ctx.one("abs", [x]))]
+    if t == "ReduceSumSquare":
+        return [total(ctx.one("mul", [x, x]))]
+    if t == "ReduceL2":  # integers: the root in f64, truncated back
+        xf = x if x.type.dtype.is_float else ctx.cast(x, DType.f64)
+        return [ctx.cast(ctx.one("sqrt", [total(ctx.one("mul", [xf, xf]))]), x.type.dtype)]
+    if t == "ReduceLogSum":
+        return [ctx.one("log", [total(x)])]
+    if r is None or any(x.type.shape[ax] == 0 for ax in r["axes"]):  # log(sum(exp(empty))) = -inf
+        return [ctx.one("log", [total(ctx.one("exp", [x]))])]
+    # log(sum(exp(x - m))) + m, m the finite max, so that exp does not overflow
+    m = ctx.one("reduce_max", [x], {"axes": r["axes"], "keepdim": True})
+    m = ctx.one("where", [ctx.one("is_inf", [m]), ctx.const(0.0, x.type.dtype), m])
+    y = ctx.one("log", [ctx.one("reduce_sum", [ctx.one("exp", [ctx.one("sub", [x, m])])], r)])
+    return [ctx.one("add", [y, m if r["keepdim"] else ctx.reshape(m, y.type.shape)])]
 
 
 @converts("ArgMax", "ArgMin")
@@ -711,11 +891,22 @@ def _arg(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> li
 def _norm(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     x = ins[0]
     assert x is not None
-    if any(node.output[1:]):
-        raise ctx.unsupported("the mean / inverse-std-dev outputs")
     op = "rms_norm" if node.op_type == "RMSNormalization" else "layer_norm"
     params = [v for v in ins[1:] if v is not None]
-    return [ctx.one(op, [x, *params], {"axis": a.get("axis", -1) % x.type.rank, "eps": a.get("epsilon", 1e-5)})]
+    axis, eps = a.get("axis", -1) % x.type.rank, a.get("epsilon", 1e-5)
+    y = ctx.one(op, [x, *params], {"axis": axis, "eps": eps})
+    if not any(node.output[1:]):
+        return [y]
+    # LayerNormalization's Mean and InvStdDev (training outputs), in the stash type: the
+    # fused op does not expose them, so they are recomputed from the same formula.
+    stash = onnx_dtype(a.get("stash_type", 1), ctx.where)
+    xs = ctx.cast(x, stash)
+    red = {"axes": tuple(range(axis, x.type.rank)), "keepdim": True}
+    mean = ctx.one("reduce_mean", [xs], red, name=f"{node.output[0]}_mean")
+    dev = ctx.one("sub", [xs, mean])
+    var = ctx.one("reduce_mean", [ctx.one("mul", [dev, dev])], red)
+    inv = ctx.one("reciprocal", [ctx.one("sqrt", [ctx.one("add", [var, ctx.const(eps, stash)])])])
+    return [y, mean, inv]
 
 
 @converts("RotaryEmbedding")
@@ -728,13 +919,15 @@ def _rotary(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) ->
 
 @converts("Attention")
 def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    """`sdpa` when the fused op covers the node; else the spec's formula in primitive ops
+    (softcap, a qk_matmul_output, a softmax_precision other than the inputs')."""
     q, k, v = ins[0], ins[1], ins[2]
     assert q is not None and k is not None and v is not None
-    mask = ins[3] if len(ins) > 3 else None
-    if any(i is not None for i in ins[4:]) or any(node.output[1:]):
-        raise ctx.unsupported("Attention with a KV cache (past/present) or qk_matmul_output")
-    if a.get("softcap", 0.0):
-        raise ctx.unsupported("Attention softcap")
+    mask, past_k, past_v = (ins[i] if len(ins) > i else None for i in (3, 4, 5))
+    if len(ins) > 6 and ins[6] is not None:
+        raise ctx.unsupported("Attention with nonpad_kv_seqlen")
+    if (past_k is None) != (past_v is None):
+        raise ctx.unsupported("Attention with only one of past_key and past_value")
     three_d = q.type.rank == 3
     if three_d:  # [b, s, heads*d] -> [b, heads, s, d]
         qh, kvh = a.get("q_num_heads", 0), a.get("kv_num_heads", 0)
@@ -746,10 +939,87 @@ def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
             return ctx.one("transpose", [ctx.reshape(x, (b, s, n, hd // n))], {"perm": (0, 2, 1, 3)})
 
         q, k, v = heads(q, qh), heads(k, kvh), heads(v, kvh)
+    past = 0
+    if past_k is not None and past_v is not None:  # the KV cache grows along the sequence axis
+        past = past_k.type.shape[2]
+        k = ctx.one("concat", [past_k, k], {"axis": 2}, name=f"{node.output[0]}_present_key")
+        v = ctx.one("concat", [past_v, v], {"axis": 2}, name=f"{node.output[0]}_present_value")
+    dt = q.type.dtype
+    lq, lk = q.type.shape[-2], k.type.shape[-2]
+    if mask is not None and mask.type.shape[-1] < lk:  # a short mask covers the first keys only
+        fill = ctx.one("full", [], {"shape": mask.type.shape[:-1] + (lk - mask.type.shape[-1],),
+                                    "value": 0.0 if mask.type.dtype == DType.bool else -math.inf,
+                                    "dtype": mask.type.dtype})
+        mask = ctx.one("concat", [mask, fill], {"axis": mask.type.rank - 1})
+    causal = bool(a.get("is_causal", 0))
+    softcap = float(a.get("softcap", 0.0))
+    mode = int(a.get("qk_matmul_output_mode", 0))
+    want_qk = len(node.output) > 3 and bool(node.output[3])
+    precision = onnx_dtype(a["softmax_precision"], ctx.where) if "softmax_precision" in a else dt
+    fused = not softcap and not want_qk and precision == dt
+    if causal and (past or mask is not None or not fused):
+        # Bottom-right causal frontier (query i sees key j <= i + past), composed with the mask
+        # as the spec says: a bool mask intersects it, a float mask gets -inf outside it.
+        allowed = ctx.const(np.tril(np.ones((lq, lk), dtype=bool), past), DType.bool, f"{node.output[0]}_causal")
+        if mask is None:
+            mask = allowed
+        elif mask.type.dtype == DType.bool:
+            mask = ctx.one("bitwise_and", [mask, allowed])
+        else:
+            mask = ctx.one("where", [allowed, mask, ctx.const(-math.inf, mask.type.dtype)])
+        causal = False
     gqa = q.type.shape[-3] != k.type.shape[-3]
-    ops = [q, k, v] + ([mask] if mask is not None else [])
-    y = ctx.one("sdpa", ops, {"scale": a.get("scale"), "causal": bool(a.get("is_causal", 0)), "gqa": gqa})
+    qk: Value | None = None
+    if fused:
+        ops = [q, k, v] + ([mask] if mask is not None else [])
+        y = ctx.one("sdpa", ops, {"scale": a.get("scale"), "causal": causal, "gqa": gqa})
+    else:
+        y, qk = _attention_math(ctx, q, k, v, mask, a.get("scale"), softcap, mode, precision)
     if three_d:
         b, h, s, d = y.type.shape
         y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, h * d))
-    return [y]
+    return [y, k, v, qk]  # present_key/value are the (grown) K and V
+
+
+def _attention_math(ctx: _Ctx, q: Value, k: Value, v: Value, mask: Value | None, scale: float | None,
+                    softcap: float, mode: int, precision: DType) -> tuple[Value, Value]:
+    """Attention as the spec writes it, over [b, heads, s, d]; returns (Y, qk_matmul_output).
+
+        qk = (q*sqrt(scale)) @ (k*sqrt(scale))^T   -> mode 0
+        qk = softcap * tanh(qk / softcap)           -> mode 1
+        qk = qk + bias(mask)                        -> mode 2
+        p  = softmax(qk), 0 on fully masked rows    -> mode 3
+        Y  = p @ v
+    """
+    dt = q.type.dtype
+    hq, hk = q.type.shape[-3], k.type.shape[-3]
+    if hq != hk:  # GQA: each KV head serves hq/hk consecutive query heads
+        def repeat(x: Value) -> Value:
+            b, h, s, d = x.type.shape
+            x = ctx.one("expand", [ctx.reshape(x, (b, h, 1, s, d))], {"shape": (b, h, hq // h, s, d)})
+            return ctx.reshape(x, (b, hq, s, d))
+
+        k, v = repeat(k), repeat(v)
+    root = ctx.const(math.sqrt(scale if scale is not None else 1 / math.sqrt(q.type.shape[-1])), dt)
+    kt = ctx.one("transpose", [ctx.one("mul", [k, root])], {"perm": (0, 1, 3, 2)})
+    qk = ctx.one("matmul", [ctx.one("mul", [q, root]), kt])
+    outs = {0: qk}
+    if softcap > 0:
+        cap = ctx.const(softcap, dt)
+        qk = ctx.one("mul", [ctx.one("tanh", [ctx.one("div", [qk, cap])]), cap])
+    outs[1] = qk
+    bias = None
+    if mask is not None:
+        bias = mask if mask.type.dtype != DType.bool else \
+            ctx.one("where", [mask, ctx.const(0.0, dt), ctx.const(-math.inf, dt)])
+        qk = ctx.one("add", [qk, bias])
+    outs[2] = qk
+    p = ctx.cast(ctx.one("softmax", [ctx.cast(qk, precision)], {"axis": 3}), dt)
+    if bias is not None:  # a row whose every key is masked attends to nothing: zeros, not NaN
+        top = ctx.one("reduce_max", [bias], {"axes": (bias.type.rank - 1,), "keepdim": True})
+        dead = ctx.one("eq", [top, ctx.const(-math.inf, dt)])
+        p = ctx.one("where", [dead, ctx.const(0.0, dt), p])
+    outs[3] = p
+    if mode not in outs:
+        raise ctx.unsupported(f"qk_matmul_output_mode {mode}")
+    return ctx.one("matmul", [p, v]), outs[mode]

@@ -126,6 +126,7 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
         raise NpucError(problems[0].code, f"{len(problems)} problems with {shown}", HINT, exit_code=EXIT_USAGE,
                         details=[f"- {p.message} [{p.code}]" for p in problems] + [f"model inputs: {listing}"])
     for name, decl in declared.items():
-        if name not in shapes and decl.required and decl.dims is not None:
-            shapes[name] = tuple(int(d) for d in decl.dims)  # fully static: nothing to choose
+        if name not in shapes and decl.required and decl.dims is not None \
+                and all(isinstance(d, int) for d in decl.dims):
+            shapes[name] = tuple(d for d in decl.dims if isinstance(d, int))  # fully static: nothing to choose
     return shapes

@@ -61,6 +61,9 @@ _FLOAT_UNARY = {
     "sin": torch.sin, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
     "reciprocal": torch.reciprocal, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil,
     "round": torch.round,  # half to even, as ONNX Round
+    "tan": torch.tan, "sinh": torch.sinh, "cosh": torch.cosh, "asin": torch.asin, "acos": torch.acos,
+    "atan": torch.atan, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "softplus": F.softplus, "softsign": F.softsign, "mish": F.mish, "hardswish": F.hardswish,
 }
 _NUMERIC_UNARY = {"neg": torch.neg, "relu": torch.relu, "abs": torch.abs, "sign": torch.sign}
 
@@ -85,6 +88,20 @@ for _name, _fn in _NUMERIC_UNARY.items():
 op("gelu", ("x",), {"approximate": Attr("str", "none")},
    kernel=lambda xs, a: F.gelu(xs[0], approximate=a["approximate"]))(_float_unary_infer)
 
+# Activations with parameters, as ONNX defines them (its defaults are the frontend's business).
+_ACTIVATIONS: dict[str, tuple[dict[str, Attr], Callable[[torch.Tensor, A], torch.Tensor]]] = {
+    "elu": ({"alpha": Attr("float", 1.0)}, lambda x, a: F.elu(x, a["alpha"])),
+    "celu": ({"alpha": Attr("float", 1.0)}, lambda x, a: F.celu(x, a["alpha"])),
+    "selu": ({"alpha": Attr("float"), "gamma": Attr("float")},
+             lambda x, a: a["gamma"] * torch.where(x > 0, x, a["alpha"] * torch.expm1(x))),
+    "leaky_relu": ({"alpha": Attr("float", 0.01)}, lambda x, a: F.leaky_relu(x, a["alpha"])),
+    "hard_sigmoid": ({"alpha": Attr("float", 0.2), "beta": Attr("float", 0.5)},
+                     lambda x, a: torch.clamp(x * a["alpha"] + a["beta"], 0, 1)),
+    "thresholded_relu": ({"alpha": Attr("float", 1.0)}, lambda x, a: torch.where(x > a["alpha"], x, 0)),
+}
+for _name, (_attrs, _act) in _ACTIVATIONS.items():
+    op(_name, ("x",), _attrs, kernel=lambda xs, a, _act=_act: _act(xs[0], a))(_float_unary_infer)
+
 
 @op("logical_not", ("x",), kernel=lambda xs, a: torch.logical_not(xs[0]))
 def _logical_not(ins: T, attrs: A) -> list[TensorType]:
@@ -96,6 +113,27 @@ def _is_nan(ins: T, attrs: A) -> list[TensorType]:
     if not ins[0].dtype.is_float:
         raise ShapeError(f"is_nan needs a float operand, got {ins[0].dtype}")
     return [ins[0].with_dtype(DType.bool)]
+
+
+def _is_inf_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x = xs[0]
+    pos = torch.isposinf(x) if a["detect_positive"] else torch.zeros_like(x, dtype=torch.bool)
+    return (pos | torch.isneginf(x)) if a["detect_negative"] else pos
+
+
+@op("is_inf", ("x",), {"detect_negative": Attr("bool", True), "detect_positive": Attr("bool", True)},
+    kernel=_is_inf_kernel)
+def _is_inf(ins: T, attrs: A) -> list[TensorType]:
+    if not ins[0].dtype.is_float:
+        raise ShapeError(f"is_inf needs a float operand, got {ins[0].dtype}")
+    return [ins[0].with_dtype(DType.bool)]
+
+
+@op("bitwise_not", ("x",), kernel=lambda xs, a: torch.bitwise_not(xs[0]))
+def _bitwise_not(ins: T, attrs: A) -> list[TensorType]:
+    if ins[0].dtype.is_float:
+        raise ShapeError(f"bitwise_not needs an integer or bool operand, got {ins[0].dtype}")
+    return [ins[0]]
 
 
 @op("cast", ("x",), {"dtype": Attr("dtype")}, kernel=lambda xs, a: xs[0].to(a["dtype"].torch))
@@ -140,6 +178,24 @@ for _name, _fn in _COMPARE.items():
     op(_name, ("a", "b"), kernel=lambda xs, a, _fn=_fn: _fn(xs[0], xs[1]))(_compare_infer)
 
 
+def _mod_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, y = xs
+    fn = torch.fmod if a["fmod"] else torch.remainder
+    if x.dtype.is_floating_point:
+        return fn(x, y)
+    zero = y == 0  # torch raises on an integer division by zero; numpy (and ONNX's reference) gives 0
+    return torch.where(zero, torch.zeros_like(x), fn(x, torch.where(zero, torch.ones_like(y), y)))
+
+
+@op("mod", ("a", "b"), {"fmod": Attr("bool", False)}, kernel=_mod_kernel,
+    doc="remainder; fmod=false: the sign of the divisor (Python %), fmod=true: of the dividend (C fmod)")
+def _mod(ins: T, attrs: A) -> list[TensorType]:
+    dt = _same_dtype(ins)
+    if dt == DType.bool:
+        raise ShapeError("mod does not take bool operands")
+    return [TensorType(broadcast(ins[0].shape, ins[1].shape), dt)]
+
+
 @op("where", ("cond", "a", "b"), kernel=lambda xs, a: torch.where(xs[0], xs[1], xs[2]))
 def _where(ins: T, attrs: A) -> list[TensorType]:
     if ins[0].dtype != DType.bool:
@@ -161,8 +217,23 @@ def _reduce_infer(ins: T, attrs: A) -> list[TensorType]:
     return [x.with_shape(shape)]
 
 
-def _amax(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor:
-    return torch.amax(x, dim=axes, keepdim=keepdim)
+def _extreme(fn: Callable[..., torch.Tensor], largest: bool) -> Callable[..., torch.Tensor]:
+    """amax/amin, and over an empty axis the identity of the reduction (-inf for max, as ONNX),
+    where torch refuses."""
+    def kernel(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+        if all(x.shape[a] for a in axes):
+            return fn(x, dim=axes, keepdim=keepdim)
+        if x.dtype == torch.bool:
+            fill: Any = not largest
+        elif x.dtype.is_floating_point:
+            fill = -math.inf if largest else math.inf
+        else:
+            fill = torch.iinfo(x.dtype).min if largest else torch.iinfo(x.dtype).max
+        shape = [1 if i in axes else d for i, d in enumerate(x.shape)] if keepdim else \
+            [d for i, d in enumerate(x.shape) if i not in axes]
+        return torch.full(shape, fill, dtype=x.dtype)
+
+    return kernel
 
 
 def _prod(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor:
@@ -174,8 +245,8 @@ def _prod(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor
 _REDUCE = {
     "reduce_mean": lambda x, ax, k: torch.mean(x, dim=ax, keepdim=k),
     "reduce_sum": lambda x, ax, k: torch.sum(x, dim=ax, keepdim=k, dtype=x.dtype),
-    "reduce_max": _amax,
-    "reduce_min": lambda x, ax, k: torch.amin(x, dim=ax, keepdim=k),
+    "reduce_max": _extreme(torch.amax, largest=True),
+    "reduce_min": _extreme(torch.amin, largest=False),
     "reduce_prod": _prod,
 }
 for _name, _fn in _REDUCE.items():
@@ -204,7 +275,12 @@ def _cumsum(ins: T, attrs: A) -> list[TensorType]:
     flops=lambda i, o, a: 5 * o[0].numel)
 def _softmax(ins: T, attrs: A) -> list[TensorType]:
     norm_axis(attrs["axis"], ins[0].rank)
-    return [ins[0]]
+    return _float_unary_infer(ins, attrs)
+
+
+# Its own op, not log(softmax): that underflows to -inf where x - max(x) < ~-104 (f32).
+op("log_softmax", ("x",), {"axis": Attr("int")}, kernel=lambda xs, a: torch.log_softmax(xs[0], dim=a["axis"]),
+   flops=lambda i, o, a: 5 * o[0].numel)(_softmax)
 
 
 # -- data movement ----------------------------------------------------------------
@@ -376,11 +452,50 @@ def _linear(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(x.shape[:-1] + (w.shape[0],), _same_dtype(ins))]
 
 
+def _einsum_meta(equation: str, ins: T) -> torch.Tensor:
+    try:
+        return torch.einsum(equation, *(torch.empty(t.shape, device="meta") for t in ins))
+    except (RuntimeError, ValueError) as e:
+        raise ShapeError(f"einsum {equation!r} does not fit {[str(t) for t in ins]}: {e}") from None
+
+
+def _einsum_flops(ins: T, outs: T, attrs: A) -> int:
+    """2 * the size of the full index space (every label once, broadcast `...` dims once)."""
+    lhs = attrs["equation"].split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    ell = 1
+    for term, t in zip(lhs, ins, strict=True):
+        labels = term.strip().replace("...", ".")
+        n_ell = t.rank - (len(labels) - 1) if "." in labels else 0
+        dims = iter(t.shape)
+        for c in labels:
+            if c == ".":
+                ell = max(ell, math.prod(next(dims) for _ in range(n_ell)))
+            else:
+                sizes[c] = max(sizes.get(c, 1), next(dims))
+    return 2 * math.prod(sizes.values()) * ell
+
+
+@op("einsum", ("*xs",), {"equation": Attr("str")}, kernel=lambda xs, a: torch.einsum(a["equation"], *xs),
+    flops=_einsum_flops, unit="cube", doc="numpy/ONNX einsum (implicit output, `...` broadcasting)")
+def _einsum(ins: T, attrs: A) -> list[TensorType]:
+    if not ins:
+        raise ShapeError("einsum needs at least one operand")
+    dt = _same_dtype(ins)
+    return [TensorType(tuple(_einsum_meta(attrs["equation"], ins).shape), dt)]
+
+
 def _sdpa_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     q, k, v = xs[:3]
     mask = xs[3] if len(xs) > 3 else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
-                                          enable_gqa=a["gqa"])
+    # Half-precision operands are computed in fp32 and rounded once, as fused attention
+    # kernels accumulate; torch's fp16 math path rounds every intermediate.
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(wide)
+    y = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=mask, is_causal=a["causal"],
+                                       scale=a["scale"], enable_gqa=a["gqa"])
+    return y.to(q.dtype)
 
 
 def _sdpa_flops(ins: T, outs: T, attrs: A) -> int:
@@ -469,6 +584,103 @@ def _scatter_nd(ins: T, attrs: A) -> list[TensorType]:
     return [data]
 
 
+def _elements_index(x: torch.Tensor, idx: torch.Tensor, axis: int) -> torch.Tensor:
+    idx = idx.long()
+    return torch.where(idx < 0, idx + x.shape[axis], idx)  # negative indices count from the end
+
+
+def _check_elements(data: TensorType, idx: TensorType, axis: int, what: str) -> int:
+    ax = norm_axis(axis, data.rank)
+    if idx.dtype not in (DType.i64, DType.i32) or idx.rank != data.rank or \
+            any(i > d for n, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if n != ax):
+        raise ShapeError(f"{what} indices {idx} do not fit data {data} on axis {ax}")
+    return ax
+
+
+@op("gather_elements", ("x", "indices"), {"axis": Attr("int", 0)},
+    kernel=lambda xs, a: torch.gather(xs[0], a["axis"], _elements_index(xs[0], xs[1], a["axis"])), **_dma,
+    doc="ONNX GatherElements: out[i][j] = x[i][indices[i][j]] for axis 1 (torch.gather)")
+def _gather_elements(ins: T, attrs: A) -> list[TensorType]:
+    _check_elements(ins[0], ins[1], attrs["axis"], "gather_elements")
+    return [ins[0].with_shape(ins[1].shape)]
+
+
+_SCATTER_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _scatter_elements_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, upd, ax = xs[0], xs[2], a["axis"]
+    idx = _elements_index(x, xs[1], ax)
+    if a["reduction"] == "none":
+        return x.scatter(ax, idx, upd)
+    return x.scatter_reduce(ax, idx, upd, _SCATTER_REDUCE[a["reduction"]], include_self=True)
+
+
+@op("scatter_elements", ("data", "indices", "updates"), {"axis": Attr("int", 0), "reduction": Attr("str", "none")},
+    kernel=_scatter_elements_kernel, **_dma,
+    doc="ONNX ScatterElements: data[i][indices[i][j]] = updates[i][j] for axis 1, or combined by reduction")
+def _scatter_elements(ins: T, attrs: A) -> list[TensorType]:
+    data, idx, upd = ins
+    _check_elements(data, idx, attrs["axis"], "scatter_elements")
+    if upd.shape != idx.shape or upd.dtype != data.dtype:
+        raise ShapeError(f"scatter_elements updates {upd} do not fit indices {idx} and data {data}")
+    if attrs["reduction"] not in ("none", *_SCATTER_REDUCE):
+        raise ShapeError(f"unknown scatter_elements reduction {attrs['reduction']!r}")
+    return [data]
+
+
+_PAD_MODES = ("constant", "reflect", "edge", "wrap")
+
+
+def _pad_index(n: int, before: int, after: int, mode: str) -> torch.Tensor:
+    """Source index of every output position along one axis (non-constant modes)."""
+    i = torch.arange(-before, n + after)
+    if mode == "edge":
+        return i.clamp(0, n - 1)
+    if mode == "wrap":
+        return i % n
+    if n == 1:  # reflect
+        return torch.zeros_like(i)
+    i = i % (2 * n - 2)
+    return torch.where(i >= n, 2 * n - 2 - i, i)
+
+
+def _pad_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, pads, mode = xs[0], a["pads"], a["mode"]
+    r = x.dim()
+    for ax in range(r):  # negative pads crop
+        lo, hi = max(-pads[ax], 0), x.shape[ax] - max(-pads[ax + r], 0)
+        x = x.narrow(ax, lo, hi - lo)
+    grow = [(max(pads[ax], 0), max(pads[ax + r], 0)) for ax in range(r)]
+    if mode == "constant":
+        out = x.new_zeros([d + b + e for d, (b, e) in zip(x.shape, grow, strict=True)])
+        if len(xs) > 1:
+            out.fill_(xs[1].reshape(()))
+        out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, grow, strict=True))] = x
+        return out
+    for ax, (b, e) in enumerate(grow):
+        if b or e:
+            x = x.index_select(ax, _pad_index(x.shape[ax], b, e, mode))
+    return x
+
+
+@op("pad", ("x", "value?"), {"pads": Attr("ints"), "mode": Attr("str", "constant")}, kernel=_pad_kernel, **_dma,
+    doc="ONNX Pad: pads = [begin_0, ..., begin_r-1, end_0, ..., end_r-1], negative crops; value: a scalar")
+def _pad(ins: T, attrs: A) -> list[TensorType]:
+    x, pads, mode = ins[0], attrs["pads"], attrs["mode"]
+    r = x.rank
+    if len(pads) != 2 * r or mode not in _PAD_MODES:
+        raise ShapeError(f"pad needs 2*rank pads and a mode in {_PAD_MODES}, got {list(pads)}, {mode!r}")
+    shape = tuple(d + pads[ax] + pads[ax + r] for ax, d in enumerate(x.shape))
+    for ax, d in enumerate(x.shape):
+        kept = d - max(-pads[ax], 0) - max(-pads[ax + r], 0)
+        if kept < 0 or (mode != "constant" and kept == 0 and shape[ax] > 0):
+            raise ShapeError(f"pad {list(pads)} ({mode}) does not fit {x}")
+    if len(ins) > 1 and (ins[1].numel != 1 or ins[1].dtype != x.dtype):
+        raise ShapeError(f"pad value {ins[1]} must be one {x.dtype} element")
+    return [x.with_shape(shape)]
+
+
 @op("trilu", ("x",), {"upper": Attr("bool", True), "k": Attr("int", 0)},
     kernel=lambda xs, a: (torch.triu if a["upper"] else torch.tril)(xs[0], a["k"]))
 def _trilu(ins: T, attrs: A) -> list[TensorType]:
@@ -501,6 +713,23 @@ def _arg_infer(ins: T, attrs: A) -> list[TensorType]:
 for _name, _fn in {"argmax": torch.argmax, "argmin": torch.argmin}.items():
     op(_name, ("x",), {"axis": Attr("int", 0), "keepdim": Attr("bool", True), "select_last": Attr("bool", False)},
        kernel=_arg_kernel(_fn))(_arg_infer)
+
+
+def _topk_kernel(xs: list[torch.Tensor], a: A) -> list[torch.Tensor]:
+    # A stable sort keeps equal values in index order: ONNX wants the lower index first.
+    vals, idx = torch.sort(xs[0], dim=a["axis"], descending=a["largest"], stable=True)
+    return [vals.narrow(a["axis"], 0, a["k"]), idx.narrow(a["axis"], 0, a["k"])]
+
+
+@op("topk", ("x",), {"k": Attr("int"), "axis": Attr("int", -1), "largest": Attr("bool", True)},
+    kernel=_topk_kernel, doc="the k largest (or smallest) along axis, sorted, and their i64 indices")
+def _topk(ins: T, attrs: A) -> list[TensorType]:
+    x = ins[0]
+    ax = norm_axis(attrs["axis"], x.rank)
+    if x.dtype == DType.bool or not 0 <= attrs["k"] <= x.shape[ax]:
+        raise ShapeError(f"topk k={attrs['k']} does not fit {x} on axis {ax}")
+    shape = x.shape[:ax] + (attrs["k"],) + x.shape[ax + 1:]
+    return [x.with_shape(shape), TensorType(shape, DType.i64)]
 
 
 # -- normalisations and position encodings ----------------------------------------------

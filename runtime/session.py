@@ -125,7 +125,8 @@ class Session:
                                                                    for t in self.inputs), exit_code=EXIT_USAGE)
         for tid, t in zip(self._input_ids, self.inputs, strict=True):
             x = inputs[t.name]
-            x = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+            # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
+            x = torch.from_numpy(np.require(x, requirements="C")) if isinstance(x, np.ndarray) else torch.as_tensor(x)
             if tuple(x.shape) != t.shape:
                 raise NpucError("NPUC-E0108", f"input {t.name!r} has shape {list(x.shape)}, the model was "
                                 f"compiled for {list(t.shape)}", "npuc models have static shapes; recompile "

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ONNX_OPSETS
 from hf_models import ARCHS
 

@@ -64,7 +64,8 @@ def tensor(arg: Arg, gen: torch.Generator) -> torch.Tensor:
 
 
 _FLOAT_UNARY = ["neg", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "tanh", "sigmoid", "silu", "relu",
-                "reciprocal", "abs", "erf", "floor", "ceil", "round", "sign"]
+                "reciprocal", "abs", "erf", "floor", "ceil", "round", "sign", "tan", "sinh", "cosh", "asin",
+                "acos", "atan", "asinh", "acosh", "atanh", "softplus", "softsign", "mish", "hardswish"]
 _ARITH = ["add", "sub", "mul", "div", "pow", "maximum", "minimum"]
 _COMPARE = ["eq", "ne", "lt", "le", "gt", "ge"]
 
@@ -78,6 +79,24 @@ CASES: dict[str, list[Case]] = {
     "bitwise_or": [case("i32[2,3]", "i32[3]"), case("bool[4]", "bool[4]")],
     "bitwise_xor": [case("i64[2,3]", "i64[3]"), case("bool[4]", "bool[4]")],
     "is_nan": [case("f32[2,3]"), case("f16[4]")],
+    "is_inf": [case("f32[2,3]"), case("f16[4]", detect_negative=False)],
+    "bitwise_not": [case("i64[2,3]"), case("u8[4]"), case("bool[3]")],
+    "elu": [case("f32[2,3]"), case("f16[4]", alpha=0.5)],
+    "celu": [case("f32[2,3]"), case("f32[4]", alpha=2.0)],
+    "selu": [case("f32[2,3]", alpha=1.67, gamma=1.05)],
+    "leaky_relu": [case("f32[2,3]"), case("f16[4]", alpha=0.2)],
+    "hard_sigmoid": [case("f32[2,3]"), case("f32[4]", alpha=0.5, beta=0.1)],
+    "thresholded_relu": [case("f32[2,3]"), case("f16[4]", alpha=0.5)],
+    "mod": [case("i64[2,3]", "i64[3]"), case("f32[4]", "f32[4]", fmod=True), case("i32[2,1,3]", "i32[4,1]", fmod=True)],
+    "gather_elements": [case("f32[3,4]", Idx("i64[2,4]", 3)), case("f32[3,4]", Idx("i32[3,2]", 4), axis=1)],
+    "scatter_elements": [case("f32[4,3]", Idx("i64[2,3]", 4), "f32[2,3]"),
+                         case("f32[3,5]", Idx("i64[3,2]", 5), "f32[3,2]", axis=1, reduction="add")],
+    "pad": [case("f32[2,3]", pads=(1, 0, 0, 2)), case("f32[2,3]", "f32[]", pads=(0, -1, 1, 1)),
+            case("i64[4,3]", pads=(2, 1, 1, 2), mode="reflect"), case("f32[3]", pads=(2, 4), mode="wrap"),
+            case("f16[2,3]", pads=(1, 1, 1, 1), mode="edge")],
+    "topk": [case("f32[3,5]", k=2), case("i64[4,3]", k=3, axis=0, largest=False)],
+    "einsum": [case("f32[2,3]", "f32[3,4]", equation="ij,jk->ik"), case("f32[2,3,4]", equation="...ij->...ji"),
+               case("f32[3]", "f32[3]", equation="i,i")],
     "reduce_min": [case("f32[2,3,4]", axes=(1,)), case("i64[2,3]", axes=(0,), keepdim=True)],
     "reduce_prod": [case("f32[2,3,4]", axes=(0, 2)), case("i64[2,3]", axes=(1,), keepdim=True)],
     "argmax": [case("f32[2,3,4]", axis=1), case("f32[5]", axis=0, keepdim=False, select_last=True)],
@@ -98,6 +117,7 @@ CASES: dict[str, list[Case]] = {
     "reduce_max": [case("f32[2,3,4]", axes=(0,)), case("f16[2,3]", axes=(-1,), keepdim=True)],
     "cumsum": [case("f32[2,3]", axis=-1), case("i64[5]", axis=0, exclusive=True, reverse=True)],
     "softmax": [case("f32[2,3,4]", axis=-1), case("f32[2,3]", axis=0)],
+    "log_softmax": [case("f32[2,3,4]", axis=-1), case("f16[2,3]", axis=0)],
     "reshape": [case("f32[2,3,4]", shape=(6, 4)), case("i64[6]", shape=(1, 2, 1, 3)), case("f32[1]", shape=())],
     "transpose": [case("f32[2,3,4]", perm=(2, 0, 1)), case("f32[5]", perm=(0,))],
     "expand": [case("f32[3,1]", shape=(2, 3, 4)), case("f32[4]", shape=(4,))],
@@ -174,6 +194,10 @@ KERNEL_WOULD_DIVERGE = [
     pytest.param("sub", case("bool[3]", "bool[3]"), id="sub-bool"),
     pytest.param("neg", case("bool[3]"), id="neg-bool"),
     pytest.param("bitwise_and", case("f32[3]", "f32[3]"), id="bitwise_and-f32"),
+    pytest.param("softplus", case("i64[3]"), id="softplus-i64"),
+    pytest.param("elu", case("i32[3]"), id="elu-i32"),
+    pytest.param("is_inf", case("i64[3]"), id="is_inf-i64"),
+    pytest.param("bitwise_not", case("f32[3]"), id="bitwise_not-f32"),
     pytest.param("reduce_sum", case("f32[2,3]", axes=()), id="reduce_sum-axes=[]"),
     pytest.param("reduce_max", case("f32[2,3]", axes=()), id="reduce_max-axes=[]"),
 ]
@@ -267,6 +291,16 @@ REFUSALS = {
     "sdpa_head_dim_mismatch": ("sdpa", ["f32[2,8,16]", "f32[2,8,8]", "f32[2,8,16]"], {}),
     "sdpa_gqa_heads": ("sdpa", ["f32[1,3,8,16]", "f32[1,2,8,16]", "f32[1,2,8,16]"], {"gqa": True}),
     "sdpa_mask_shape": ("sdpa", ["f32[2,8,16]", "f32[2,8,16]", "f32[2,8,16]", "f32[8,7]"], {}),
+    "mod_bool": ("mod", ["bool[3]", "bool[3]"], {}),
+    "gather_elements_rank_mismatch": ("gather_elements", ["f32[3,4]", "i64[4]"], {}),
+    "gather_elements_index_larger_off_axis": ("gather_elements", ["f32[3,4]", "i64[4,2]"], {"axis": 1}),
+    "scatter_elements_updates_mismatch": ("scatter_elements", ["f32[3,4]", "i64[2,4]", "f32[2,3]"], {}),
+    "pad_wrong_length": ("pad", ["f32[2,3]"], {"pads": (1, 1)}),
+    "pad_crops_too_much": ("pad", ["f32[2,3]"], {"pads": (0, -2, 0, -2)}),
+    "pad_reflect_empty": ("pad", ["f32[0,3]"], {"pads": (1, 0, 0, 0), "mode": "reflect"}),
+    "topk_k_too_large": ("topk", ["f32[3,5]"], {"k": 6}),
+    "einsum_contraction_mismatch": ("einsum", ["f32[2,3]", "f32[4,5]"], {"equation": "ij,jk->ik"}),
+    "einsum_dtype_mismatch": ("einsum", ["f32[2,3]", "f16[3,5]"], {"equation": "ij,jk->ik"}),
 }
 
 
