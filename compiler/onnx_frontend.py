@@ -65,6 +65,7 @@ class OnnxTensorSource:
         self.location = ext.get("location") if tensor.data_location == 1 else None
         self.offset = int(ext.get("offset", 0))
         self.length = int(ext["length"]) if "length" in ext else None
+        self.in_memory = self.location is None  # inline initializers are already in the loaded proto
 
     def files(self) -> list[str]:
         return [os.path.join(self.base_dir, self.location)] if self.location else []

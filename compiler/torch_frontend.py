@@ -310,7 +310,7 @@ def _copy(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
 def _cat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     dt = _out_dtype(node)
     xs = [ctx.cast(ctx.value(t), dt) for t in a["tensors"]]
-    xs = [x for x in xs if x.type.numel > 0 or x.type.rank > 1]
+    xs = [x for x in xs if x.type.numel > 0] or xs[:1]  # empty operands (a zero-width pass-through) add nothing
     if len(xs) == 1:
         return xs[0]
     return ctx.emit("concat", xs, {"axis": a["dim"] % xs[0].type.rank}, like=node)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from npuc.errors import InternalError
-from npuc.ir.graph import Graph, Node, TensorSource, Value
+from npuc.ir.graph import ConstSource, Graph, Node, TensorSource, Value
 from npuc.ir.registry import get_op
+from npuc.ir.types import TensorType
 
 
 def foldable(node: Node, max_bytes: int) -> bool:
@@ -17,15 +18,48 @@ def foldable(node: Node, max_bytes: int) -> bool:
             and all(v.type.nbytes <= max_bytes for v in node.inputs))
 
 
+class LazyFoldSource:
+    """A folded result whose operands include a weight in a file: computed when the
+    backend writes it, so folding never reads weights while the graph is optimised."""
+
+    in_memory = False
+
+    def __init__(self, node: Node, index: int) -> None:
+        self.op, self.attrs, self.index = node.op, dict(node.attrs), index
+        self.sources = [v.const for v in node.inputs]
+        self.type = node.outputs[index].type
+        self.name = node.outputs[index].name
+
+    def load(self) -> torch.Tensor:
+        with torch.no_grad():
+            t = get_op(self.op).run([s.load() for s in self.sources if s is not None], self.attrs)[self.index]
+        return _checked(t, self.type, self.name)
+
+    def describe(self) -> str:
+        return f"{self.op} of " + ", ".join(s.describe() for s in self.sources if s is not None)
+
+
+def _checked(t: torch.Tensor, want: TensorType, name: str) -> torch.Tensor:
+    if tuple(t.shape) != want.shape or t.dtype != want.dtype.torch:
+        raise InternalError(f"folding {name}: kernel returned {t.dtype}{list(t.shape)}, expected {want}")
+    return t.contiguous()
+
+
 def fold_node(g: Graph, node: Node) -> list[Value]:
-    """Evaluate `node`, replace its outputs by new constants everywhere, remove it."""
-    with torch.no_grad():
-        results = get_op(node.op).run([v.const.load() for v in node.inputs if v.const is not None], node.attrs)
+    """Evaluate `node` (now, or lazily when an operand is a weight in a file), replace
+    its outputs by new constants everywhere, remove it."""
+    eager = all(getattr(v.const, "in_memory", False) for v in node.inputs)
+    sources: list[ConstSource] = []
+    if eager:
+        with torch.no_grad():
+            results = get_op(node.op).run([v.const.load() for v in node.inputs if v.const is not None], node.attrs)
+        sources = [TensorSource(_checked(t, o.type, o.name).clone(), "folded")
+                   for t, o in zip(results, node.outputs, strict=True)]
+    else:
+        sources = [LazyFoldSource(node, i) for i in range(len(node.outputs))]
     new = []
-    for out, t in zip(node.outputs, results, strict=True):
-        if tuple(t.shape) != out.type.shape or t.dtype != out.type.dtype.torch:
-            raise InternalError(f"folding {node.name}: kernel returned {t.dtype}{list(t.shape)}, expected {out.type}")
-        c = g.add_constant(out.name + "_folded", out.type, TensorSource(t.contiguous().clone(), "folded"))
+    for out, src in zip(node.outputs, sources, strict=True):
+        c = g.add_constant(out.name + "_folded", out.type, src)
         g.replace_all_uses_with(out, c)
         new.append(c)
     g.remove_node(node)

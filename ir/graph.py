@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 class ConstSource(Protocol):
     """Where a constant's bytes come from; `load` is called only when needed.
 
+    `in_memory` (default False) says the data is already in memory, so passes may
+    look at it; a weight in a file is read only to be written into the `.om`.
     A source may also offer `raw_chunks(type) -> Iterator[bytes] | None`: its bytes,
     exactly as `type` lays them out, in bounded chunks (or None when it cannot),
     so that the backend copies a large weight without holding it in memory.
@@ -38,6 +40,8 @@ class ConstSource(Protocol):
 
 class TensorSource:
     """A constant computed by npuc itself (a folded subgraph, a buffer of the module)."""
+
+    in_memory = True  # reading it costs nothing: passes may inspect its values
 
     def __init__(self, tensor: torch.Tensor, origin: str = "computed") -> None:
         self._tensor = tensor

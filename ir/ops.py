@@ -835,3 +835,71 @@ def _rope(ins: T, attrs: A) -> list[TensorType]:
     if cos.shape != sin.shape or cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise ShapeError("rotary_embedding cos and sin caches must match each other and x's dtype")
     return [x]
+
+
+# -- fused ops (what the fusion passes produce) -------------------------------------------
+
+@op("swiglu", ("gate", "up"), kernel=lambda xs, a: F.silu(xs[0]) * xs[1], flops=lambda i, o, a: 5 * o[0].numel,
+    doc="silu(gate) * up")
+def _swiglu(ins: T, attrs: A) -> list[TensorType]:
+    if ins[0] != ins[1]:
+        raise ShapeError(f"swiglu operands {ins[0]} and {ins[1]} differ")
+    return _float_unary_infer(ins[:1], attrs)
+
+
+def _fused_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    q, k = xs[0], xs[1]
+    return _sdpa_kernel(xs, {"scale": a["scale"], "causal": a["causal"], "gqa": q.shape[-3] != k.shape[-3]})
+
+
+@op("fused_attention", ("q", "k", "v", "mask?"), {"scale": Attr("float"), "causal": Attr("bool", False)},
+    kernel=_fused_attention_kernel, flops=_sdpa_flops, unit="cube",
+    doc="softmax(q @ k^T * scale + mask [+ causal]) @ v; q [b,hq,s,d], k [b,hkv,l,d], v [b,hkv,l,dv], "
+        "hq a multiple of hkv (grouped-query attention absorbed)")
+def _fused_attention(ins: T, attrs: A) -> list[TensorType]:
+    q, k, v = ins[:3]
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise ShapeError("fused_attention takes [batch, heads, seq, dim] operands")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"fused_attention q {q}, k {k}, v {v} do not fit")
+    if q.shape[1] % k.shape[1]:
+        raise ShapeError("fused_attention query heads are not a multiple of key heads")
+    if len(ins) == 4:
+        broadcast(ins[3].shape, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    _same_dtype(ins[:3])
+    return [TensorType(q.shape[:3] + (v.shape[-1],), q.dtype)]
+
+
+def _rope_lut_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, pos, cos_t, sin_t = xs
+    half = cos_t.shape[-1]
+    r = 2 * half
+    c = cos_t[pos.long()].unsqueeze(-3).to(torch.float32)  # [..., 1, s, half] broadcasts over heads
+    s = sin_t[pos.long()].unsqueeze(-3).to(torch.float32)
+    xr = x[..., :r].float()
+    layout = a["layout"]
+    if layout == "half":
+        x1, x2 = xr[..., :half], xr[..., half:]
+    else:  # "interleaved" and "deinterleave" read pairs (x0, x1), (x2, x3), ...
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    real, imag = x1 * c - x2 * s, x2 * c + x1 * s
+    if layout == "interleaved":
+        rot = torch.stack((real, imag), dim=-1).reshape(xr.shape)
+    else:  # "half" and "deinterleave" write halves
+        rot = torch.cat((real, imag), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
+
+
+@op("rope_lut", ("x", "position_ids", "cos_table", "sin_table"), {"layout": Attr("str", "half")},
+    kernel=_rope_lut_kernel, flops=lambda i, o, a: 6 * o[0].numel,
+    doc="rotary embedding from tables: x [..., heads, s, d], position_ids [s] or [b, s], tables [positions, r/2]; "
+        "layout half (rotate_half), interleaved (pairs in and out), deinterleave (pairs in, halves out)")
+def _rope_lut(ins: T, attrs: A) -> list[TensorType]:
+    x, pos, cos_t, sin_t = ins
+    if attrs["layout"] not in ("half", "interleaved", "deinterleave"):
+        raise ShapeError(f"unknown rope layout {attrs['layout']!r}")
+    if x.rank < 3 or pos.dtype not in (DType.i64, DType.i32) or pos.shape[-1] != x.shape[-2] or pos.rank > 2:
+        raise ShapeError(f"rope_lut position_ids {pos} do not fit x {x}")
+    if cos_t != sin_t or cos_t.rank != 2 or 2 * cos_t.shape[1] > x.shape[-1] or not x.dtype.is_float:
+        raise ShapeError(f"rope_lut tables {cos_t}/{sin_t} do not fit x {x}")
+    return [x]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from npuc.errors import InternalError
 from npuc.ir import Graph, verify
@@ -19,6 +20,7 @@ from npuc.ir import Graph, verify
 class PassResult:
     graph: Graph
     modified: bool
+    details: dict[str, Any] = field(default_factory=dict)  # e.g. rule counts, for the fusion report
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class PassManager:
     verify_each: bool = False
     on_after: Callable[[int, Pass, Graph], None] | None = None
     timings: list[tuple[str, float]] = field(default_factory=list)
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def run(self, g: Graph) -> Graph:
         if self.verify_each:
@@ -55,7 +58,10 @@ class PassManager:
         for i, p in enumerate(self.passes):
             t0 = time.perf_counter()
             try:
-                g = p(g).graph
+                res = p(g)
+                g = res.graph
+                if res.details:
+                    self.details[p.name] = res.details
                 if self.verify_each:
                     verify(g)
             except InternalError as e:

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+from npuc.passes.attention_fusion import AttentionFusion
+from npuc.passes.bias_fusion import BiasFusion
+from npuc.passes.canonicalize import Canonicalize
 from npuc.passes.constant_folding import ConstantFolding
+from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
 from npuc.passes.manager import Pass
+from npuc.passes.rmsnorm_fusion import RMSNormFusion
+from npuc.passes.rope_fusion import RoPEFusion
+from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 
 def default_pipeline() -> list[Pass]:
     return [
         DeadCodeElimination(),
+        ConstantFolding(),          # masks and cos/sin tables become constants
+        Canonicalize(),             # one spelling per idiom, whatever the exporter
+        CommonSubexpressionElimination(),
+        DeadCodeElimination(),
+        RMSNormFusion(),
+        SwiGLUFusion(),
+        RoPEFusion(),
+        AttentionFusion(),
+        BiasFusion(),
         ConstantFolding(),
+        CommonSubexpressionElimination(),
         DeadCodeElimination(),
     ]

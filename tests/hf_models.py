@@ -17,6 +17,8 @@ def make_config(arch: str) -> Any:
         return tf.Qwen2Config(**COMMON)
     if arch == "mistral":
         return tf.MistralConfig(**COMMON, sliding_window=None)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj
+        return tf.Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "deepseek_v3":
         # Dense layers only (first_k_dense_replace == num_hidden_layers), MLA attention, YaRN RoPE.
         return tf.DeepseekV3Config(
@@ -29,7 +31,7 @@ def make_config(arch: str) -> Any:
     raise KeyError(arch)
 
 
-ARCHS = ["llama", "qwen2", "mistral", "deepseek_v3"]
+ARCHS = ["llama", "qwen2", "mistral", "phi3", "deepseek_v3"]
 
 
 def save_checkpoint(arch: str, path: str, seed: int = 0) -> None:

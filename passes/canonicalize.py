@@ -1,0 +1,93 @@
+"""Canonicalisation: every frontend and exporter variant reaches one form, so the
+fusions downstream need to know only that form.
+
+    %r = reciprocal(sqrt(%x))            ->  %r = rsqrt(%x)
+    %r = div(@one, sqrt(%x))             ->  %r = rsqrt(%x)
+    %y = div(%x, sqrt(%v))               ->  %y = mul(%x, rsqrt(%v))
+    %y = div(%x, @c)        (float)      ->  %y = mul(%x, @1/c)
+    %y = mul(%x, sigmoid(%x))            ->  %y = silu(%x)
+    %y = mul(%x, @one)                   ->  %x
+    %y = cast[dtype=f32](%x : f32)       ->  %x
+    %y = reshape(reshape(%x))            ->  %y = reshape(%x)
+    %y = reshape(%x)        (same shape) ->  %x
+    %y = matmul(%x, @w : [k, n])         ->  %y = linear(%x, @w_t : [n, k])   (the weight transposed lazily)
+
+Left alone: a division by a constant with more than one element (x / c is not
+x * (1/c) bit for bit when c varies, and the fusions do not need it), and a
+matmul whose weight is an activation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from npuc.ir import TensorType, Value
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, const, op, var
+
+
+class TransposedSource:
+    """A 2-D weight read from its source and transposed only when the backend writes it."""
+
+    in_memory = False
+
+    def __init__(self, base: object) -> None:
+        self.base = base
+
+    def load(self) -> torch.Tensor:
+        return self.base.load().t().contiguous()  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        return f"transpose of {self.base.describe()}"  # type: ignore[attr-defined]
+
+
+def _is_float(v: Value) -> bool:
+    return v.type.dtype.is_float
+
+
+def _scalar_const(v: Value) -> bool:
+    return v.is_const and v.type.numel == 1 and v.type.dtype.is_float
+
+
+def _div_by_const(b: Builder, m: Match) -> Value:
+    c = m.data("c").double()
+    inv = (1.0 / c).to(m.data("c").dtype)
+    return b.op("mul", [m["x"], b.const(f"{m['c'].name}_inv", inv)])
+
+
+def _matmul_to_linear(b: Builder, m: Match) -> Value:
+    w = m["w"]
+    k, n = w.type.shape
+    wt = b.g.add_constant(f"{w.name}_t", TensorType((n, k), w.type.dtype, w.type.format), TransposedSource(w.const))
+    return b.op("linear", [m["x"], wt])
+
+
+@dataclass(frozen=True)
+class Canonicalize(RewritePass):
+    name = "canonicalize"
+
+    def rules(self) -> Sequence[Rule]:
+        return [
+            Rule("rsqrt-of-reciprocal-sqrt", op("reciprocal", op("sqrt", var("x"))),
+                 lambda b, m: b.op("rsqrt", [m["x"]])),
+            Rule("rsqrt-of-one-over-sqrt", op("div", const(value=1.0), op("sqrt", var("x"))),
+                 lambda b, m: b.op("rsqrt", [m["x"]])),
+            Rule("div-by-sqrt", op("div", var("x"), op("sqrt", var("v"))),
+                 lambda b, m: b.op("mul", [m["x"], b.op("rsqrt", [m["v"]])])),
+            Rule("div-by-const", op("div", var("x", _is_float), var("c", _scalar_const)), _div_by_const),
+            Rule("silu", op("mul", var("x"), op("sigmoid", var("x"))), lambda b, m: b.op("silu", [m["x"]])),
+            Rule("mul-by-one", op("mul", var("x"), const(value=1.0)), lambda b, m: m["x"],
+                 check=lambda m: None if m.values["x"].type == m.matched[0].outputs[0].type
+                 else "the constant broadcasts the result"),
+            Rule("identity-cast", op("cast", var("x"), where=lambda n: n.inputs[0].type.dtype == n.attrs["dtype"]),
+                 lambda b, m: m["x"]),
+            Rule("reshape-chain", op("reshape", op("reshape", var("x")), bind="outer"),
+                 lambda b, m: b.op("reshape", [m["x"]], {"shape": m["outer"].type.shape})),
+            Rule("identity-reshape", op("reshape", var("x"), where=lambda n: n.inputs[0].type == n.outputs[0].type),
+                 lambda b, m: m["x"]),
+            Rule("matmul-to-linear",
+                 op("matmul", var("x", lambda v: v.type.rank >= 2),
+                    var("w", lambda v: v.is_const and v.type.rank == 2)), _matmul_to_linear),
+        ]

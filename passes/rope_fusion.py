@@ -1,0 +1,182 @@
+"""RoPE -> RoPE-with-LUT: rotary position embedding as one table lookup op.
+
+No frequency formula is pattern-matched. By the time this pass runs, constant
+folding has evaluated the cos/sin subgraph (default, Llama-3, YaRN or attention-
+scaled RoPE alike) into tables indexed by position; the pass recognises how the
+tables are applied and hands them to `rope_lut` with the position ids.
+
+    %c  = mul(%x, @cos)                                       half layout (rotate_half)
+    %r  = concat[axis=-1](neg(slice(%x, d/2:d)), slice(%x, 0:d/2))
+    %y  = add(%c, mul(%r, @sin))
+  ->
+    %y  = rope_lut[layout="half"](%x, @positions, @cos_table, @sin_table)
+
+    %e = slice[step=2](%x, 0:), %o = slice[step=2](%x, 1:)    DeepSeek's interleaved pairs
+    %y = concat[axis=-1](sub(mul(%e, @cos), mul(%o, @sin)), add(mul(%o, @cos), mul(%e, @sin)))
+  ->
+    %y = rope_lut[layout="deinterleave"](%x, @positions, @cos_table, @sin_table)
+
+    %y = rotary_embedding(%x, @cos, @sin [, %position_ids])   ONNX opset 23
+  ->
+    %y = rope_lut[layout="half" | "interleaved"](...)
+
+Tables are [positions, rotary_dim/2]. The positions are those the folded tables
+cover (0..seq-1 here); extending the tables to --max_seq_len for decoding belongs
+with the KV cache. Left alone: tables that vary along batch or heads, cos halves
+that differ (not a rotate_half RoPE), and partial rotary through slices of x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from npuc.ir import Value
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, op, var
+
+
+def _const(v: Value) -> bool:
+    return v.is_const
+
+
+def _rows(t: torch.Tensor, seq: int) -> torch.Tensor | None:
+    """A broadcast table [1, .., 1, seq, w] as [seq, w]; None if it varies along other axes."""
+    if t.dim() < 2 or t.shape[-2] != seq:
+        return None
+    flat = t.reshape(-1, seq, t.shape[-1])
+    if not bool((flat == flat[:1]).all()):
+        return None
+    return flat[0]
+
+
+def _table_data(m: Match, x: Value, half_width: bool) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """The [positions, rotary_dim/2] tables behind the broadcast cos/sin constants, or why not."""
+    seq = x.type.shape[-2]
+    cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
+    if cos is None or sin is None:
+        return "the cos/sin tables vary along batch or heads"
+    if not half_width:
+        h = cos.shape[-1] // 2
+        if cos.shape[-1] % 2 or not (torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])):
+            return "the cos/sin halves differ: not a rotate_half RoPE"
+        cos, sin = cos[:, :h], sin[:, :h]
+    return cos, sin
+
+
+def _tables(b: Builder, m: Match, x: Value, half_width: bool) -> tuple[Value, Value]:
+    data = _table_data(m, x, half_width)
+    assert not isinstance(data, str), data  # the rule's check refused this already
+    dt = x.type.dtype.torch
+    return (b.const(f"{m['cos'].name}_lut", data[0].to(dt).contiguous()),
+            b.const(f"{m['sin'].name}_lut", data[1].to(dt).contiguous()))
+
+
+def _positions(b: Builder, seq: int) -> Value:
+    return b.const(f"positions_{seq}", torch.arange(seq, dtype=torch.int64))
+
+
+def _check_tables(m: Match, half_width: bool) -> str | None:
+    x = m["x"]
+    if x.type.rank != 4:
+        return "x is not [batch, heads, seq, dim]"
+    seq, d = x.type.shape[-2:]
+    for name in ("cos", "sin"):
+        t = m[name].type
+        want = d // 2 if half_width else d
+        if t.rank < 2 or t.shape[-2:] != (seq, want):
+            return f"{name} table {t} is not [.., {seq}, {want}]"
+    data = _table_data(m, x, half_width)
+    return data if isinstance(data, str) else None
+
+
+# -- half (rotate_half) --------------------------------------------------------------------
+
+def _half_check(m: Match) -> str | None:
+    x, lo, hi = m["x"], m.node("lo"), m.node("hi")
+    d = x.type.shape[-1]
+    if x.type.rank and (lo.attrs["axis"], hi.attrs["axis"], m.node("cat").attrs["axis"]) != (x.type.rank - 1,) * 3:
+        return "the halves are not taken along the last axis"
+    if (lo.attrs["start"], lo.attrs["end"], lo.attrs["step"]) != (0, d // 2, 1) or \
+            (hi.attrs["start"], hi.attrs["end"], hi.attrs["step"]) != (d // 2, d, 1):
+        return "the slices are not the two halves of the head dim"
+    return _check_tables(m, half_width=False)
+
+
+def _half_rewrite(b: Builder, m: Match) -> Value:
+    x = m["x"]
+    tables = _tables(b, m, x, half_width=False)
+    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "half"})
+
+
+def _half_pattern() -> object:
+    rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
+    return op("add", op("mul", var("x"), var("cos", _const)), op("mul", rot, var("sin", _const)))
+
+
+# -- DeepSeek: interleaved pairs in, halves out ------------------------------------------------
+
+def _pairs_check(m: Match) -> str | None:
+    x, e, o = m["x"], m.node("xe"), m.node("xo")
+    last = x.type.rank - 1
+    if (e.attrs["axis"], o.attrs["axis"], m.node("cat").attrs["axis"]) != (last, last, last):
+        return "the pairs are not taken along the last axis"
+    if (e.attrs["start"], e.attrs["step"], o.attrs["start"], o.attrs["step"]) != (0, 2, 1, 2):
+        return "the slices are not the even/odd elements"
+    return _check_tables(m, half_width=True)
+
+
+def _pairs_rewrite(b: Builder, m: Match) -> Value:
+    x = m["x"]
+    tables = _tables(b, m, x, half_width=True)
+    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "deinterleave"})
+
+
+def _pairs_pattern() -> object:
+    xe, xo = op("slice", var("x"), bind="xe"), op("slice", var("x"), bind="xo")
+    cos, sin = var("cos", _const), var("sin", _const)
+    real = op("sub", op("mul", xe, cos), op("mul", xo, sin))
+    imag = op("add", op("mul", xo, cos), op("mul", xe, sin))
+    return op("concat", real, imag, bind="cat")
+
+
+# -- ONNX RotaryEmbedding ------------------------------------------------------------------------
+
+def _onnx_check(m: Match) -> str | None:
+    x, n = m["x"], m.node("rot")
+    if x.type.rank != 4:
+        return "3-D RotaryEmbedding input (heads folded into hidden)"
+    if len(n.inputs) == 4:
+        return None
+    cos = m.data("cos")
+    if _rows(cos, x.type.shape[-2]) is None:
+        return "the cos/sin caches vary along batch"
+    return None
+
+
+def _onnx_rewrite(b: Builder, m: Match) -> Value:
+    x, n = m["x"], m.node("rot")
+    layout = "interleaved" if n.attrs.get("interleaved") else "half"
+    if len(n.inputs) == 4:  # caches indexed by position ids already: they are the tables
+        return b.op("rope_lut", [x, n.inputs[3], m["cos"], m["sin"]], {"layout": layout})
+    seq = x.type.shape[-2]
+    cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
+    assert cos is not None and sin is not None
+    tables = [b.const(f"{m[k].name}_lut", t.contiguous()) for k, t in (("cos", cos), ("sin", sin))]
+    return b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": layout})
+
+
+@dataclass(frozen=True)
+class RoPEFusion(RewritePass):
+    name = "rope-fusion"
+
+    def rules(self) -> Sequence[Rule]:
+        onnx3 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), bind="rot")
+        onnx4 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), var("pos"), bind="rot")
+        return [
+            Rule("rope-half", _half_pattern(), _half_rewrite, _half_check),
+            Rule("rope-deinterleave", _pairs_pattern(), _pairs_rewrite, _pairs_check),
+            Rule("rope-onnx", onnx3, _onnx_rewrite, _onnx_check),
+            Rule("rope-onnx-positions", onnx4, _onnx_rewrite, _onnx_check),
+        ]
