@@ -13,6 +13,7 @@ class Target:
     alignment: int  # bytes; every arena buffer starts on this boundary
     matrix_tile: int = 16
     weight_alignment: int = 64
+    max_head_dim: int = 256
 
 
 TARGETS = {

@@ -23,6 +23,9 @@ T = Sequence[TensorType]
 A = Mapping[str, Any]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class ShapeError(ValueError):
     """A shape rule refused its operands (the verifier turns it into a message)."""
 
@@ -243,7 +246,8 @@ def _prod(x: torch.Tensor, axes: tuple[int, ...], keepdim: bool) -> torch.Tensor
 
 
 _REDUCE = {
-    "reduce_mean": lambda x, ax, k: torch.mean(x, dim=ax, keepdim=k),
+    # Half-precision reductions accumulate in f32 and round once.
+    "reduce_mean": lambda x, ax, k: torch.mean(x.float() if x.dtype in _HALF else x, dim=ax, keepdim=k).to(x.dtype),
     "reduce_sum": lambda x, ax, k: torch.sum(x, dim=ax, keepdim=k, dtype=x.dtype),
     "reduce_max": _extreme(torch.amax, largest=True),
     "reduce_min": _extreme(torch.amin, largest=False),
@@ -271,7 +275,8 @@ def _cumsum(ins: T, attrs: A) -> list[TensorType]:
     return [ins[0]]
 
 
-@op("softmax", ("x",), {"axis": Attr("int")}, kernel=lambda xs, a: torch.softmax(xs[0], dim=a["axis"]),
+@op("softmax", ("x",), {"axis": Attr("int")},
+    kernel=lambda xs, a: torch.softmax(xs[0], dim=a["axis"], dtype=torch.float32).to(xs[0].dtype),
     flops=lambda i, o, a: 5 * o[0].numel)
 def _softmax(ins: T, attrs: A) -> list[TensorType]:
     norm_axis(attrs["axis"], ins[0].rank)
@@ -493,6 +498,8 @@ def _sdpa_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(wide)
+    if mask is not None and mask.dim() < 2:  # torch wants the [.., q, k] axes spelled out
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     y = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=mask, is_causal=a["causal"],
                                        scale=a["scale"], enable_gqa=a["gqa"])
     return y.to(q.dtype)

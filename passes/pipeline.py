@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from npuc.passes.align import TargetAlignment
 from npuc.passes.attention_fusion import AttentionFusion
 from npuc.passes.bias_fusion import BiasFusion
 from npuc.passes.canonicalize import Canonicalize
@@ -9,12 +10,14 @@ from npuc.passes.constant_folding import ConstantFolding
 from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
 from npuc.passes.manager import Pass
+from npuc.passes.precision import Precision
 from npuc.passes.rmsnorm_fusion import RMSNormFusion
 from npuc.passes.rope_fusion import RoPEFusion
 from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 
-def default_pipeline() -> list[Pass]:
+def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype: frozenset[str] = frozenset(),
+                     tile: int = 16, max_head_dim: int = 256) -> list[Pass]:
     return [
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
@@ -26,6 +29,8 @@ def default_pipeline() -> list[Pass]:
         RoPEFusion(),
         AttentionFusion(),
         BiasFusion(),
+        Precision(precision_mode, keep_dtype),
+        TargetAlignment(tile, max_head_dim),   # pad matrix products and attention to the tile
         ConstantFolding(),
         CommonSubexpressionElimination(),
         DeadCodeElimination(),

@@ -1,0 +1,205 @@
+"""Target alignment: the matrix unit works on tiles, so every matrix product's M, N
+and K, and attention's sequence axes, are padded to a multiple of the tile (16 on
+the default NPU target).
+
+    %y : f32[1,7,24] = linear(%x : f32[1,7,40], @w : f32[24,40])
+  ->
+    %xp : f32[1,16,48] = pad[pads=[0,0,0,0,9,8]](%x)            zeros: the product is unchanged
+    %yp : f32[1,16,32] = linear(%xp, @w_pad : f32[32,48])         weights padded at compile time (lazily)
+    %y  : f32[1,7,24]  = slice(slice(%yp, axis=1, 0:7), axis=2, 0:24)
+
+    fused_attention(q [b,h,s,d], k, v)  ->  q, k, v padded on s and d; padded key positions
+                                            masked (-inf, or False), padded query rows sliced off
+
+Pads are local to each op: every consumer still sees the unpadded value, so no
+reduction (a norm, a softmax) ever reads padding. Where a target limit cannot be
+met (a head dim above `max_head_dim`), the attention falls back to its unfused
+form (matmul, softmax, matmul), which pads like any other product, and the pass
+reports it in its details. Left alone: ops that are already aligned, and products
+of rank-1 operands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from npuc.ir import DType, Graph, Node, TensorSource, TensorType, Value, get_op
+from npuc.passes.manager import Pass, PassResult
+
+
+def _up(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+class _Emit:
+    """Builds typed nodes before `at`."""
+
+    def __init__(self, g: Graph, at: Node) -> None:
+        self.g, self.at = g, at
+
+    def op(self, name: str, ins: list[Value], attrs: dict[str, object] | None = None, label: str = "") -> Value:
+        types = get_op(name).infer_types([v.type for v in ins], attrs or {})
+        base = f"{self.at.name}_{label or name}"
+        return self.g.add_node(name, ins, types, attrs or {}, names=base, before=self.at).outputs[0]
+
+    def pad(self, v: Value, sizes: dict[int, int], value: Value | None = None) -> Value:
+        """Pad axes (negative indices allowed) at their end up to `sizes`."""
+        r = v.type.rank
+        ends = [0] * r
+        for ax, want in sizes.items():
+            ends[ax % r] = want - v.type.shape[ax % r]
+        if not any(ends):
+            return v
+        return self.op("pad", [v] + ([value] if value is not None else []), {"pads": (0,) * r + tuple(ends)},
+                       label="pad")
+
+    def crop(self, v: Value, shape: tuple[int, ...]) -> Value:
+        for ax, (have, want) in enumerate(zip(v.type.shape, shape, strict=True)):
+            if have != want:
+                v = self.op("slice", [v], {"axis": ax, "start": 0, "end": want, "step": 1}, label="unpad")
+        return v
+
+    def const(self, name: str, t: torch.Tensor) -> Value:
+        return self.g.add_constant(name, TensorType(tuple(t.shape), DType.from_torch(t.dtype)), TensorSource(t))
+
+
+@dataclass(frozen=True)
+class TargetAlignment(Pass):
+    name = "target-alignment"
+    tile: int = 16
+    max_head_dim: int = 256
+
+    def call(self, g: Graph) -> PassResult:
+        details: dict[str, list[str]] = {"padded": [], "fallback": []}
+        if self.tile <= 1:
+            return PassResult(g, False, details)
+        for node in list(g.nodes):
+            if node.op == "fused_attention":
+                q, v = node.inputs[0], node.inputs[2]
+                if max(q.type.shape[-1], v.type.shape[-1]) > self.max_head_dim:
+                    details["fallback"].append(f"{node.name}: head dim {q.type.shape[-1]} exceeds the target's "
+                                               f"maximum {self.max_head_dim}; attention left unfused")
+                    self._unfuse(g, node)
+        for node in list(g.nodes):
+            done = False
+            if node.op == "linear":
+                done = self._linear(g, node)
+            elif node.op == "matmul":
+                done = self._matmul(g, node)
+            elif node.op == "fused_attention":
+                done = self._attention(g, node)
+            if done:
+                details["padded"].append(node.name)
+        return PassResult(g, bool(details["padded"] or details["fallback"]), details)
+
+    def _replace(self, g: Graph, node: Node, new: Value) -> None:
+        old = node.outputs[0]
+        g.replace_all_uses_with(old, new)
+        name = old.name
+        g.remove_node(node)
+        if new.producer is not None:
+            g.rename(new, name)
+
+    def _linear(self, g: Graph, node: Node) -> bool:
+        x, w = node.inputs[0], node.inputs[1]
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if x.type.rank < 2:
+            return False
+        n, k = w.type.shape
+        m = x.type.shape[-2]
+        n2, k2, m2 = _up(n, self.tile), _up(k, self.tile), _up(m, self.tile)
+        if (n2, k2, m2) == (n, k, m):
+            return False
+        e = _Emit(g, node)
+        xp = e.pad(x, {-2: m2, -1: k2})
+        wp = e.pad(w, {0: n2, 1: k2})
+        ins = [xp, wp] + ([e.pad(bias, {0: n2})] if bias is not None else [])
+        y = e.op("linear", ins, label="aligned")
+        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        return True
+
+    def _matmul(self, g: Graph, node: Node) -> bool:
+        a, b = node.inputs
+        if a.type.rank < 2 or b.type.rank < 2:
+            return False
+        m, k = a.type.shape[-2:]
+        n = b.type.shape[-1]
+        m2, k2, n2 = _up(m, self.tile), _up(k, self.tile), _up(n, self.tile)
+        if (m2, k2, n2) == (m, k, n):
+            return False
+        e = _Emit(g, node)
+        y = e.op("matmul", [e.pad(a, {-2: m2, -1: k2}), e.pad(b, {-2: k2, -1: n2})], label="aligned")
+        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        return True
+
+    def _attention(self, g: Graph, node: Node) -> bool:
+        q, k, v = node.inputs[:3]
+        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        s, d = q.type.shape[2:]
+        l_, dv = k.type.shape[2], v.type.shape[3]
+        s2, d2, l2, dv2 = (_up(x, self.tile) for x in (s, d, l_, dv))
+        if (s2, d2, l2, dv2) == (s, d, l_, dv):
+            return False
+        e = _Emit(g, node)
+        causal = bool(node.attrs["causal"])
+        ins = [e.pad(q, {2: s2, 3: d2}), e.pad(k, {2: l2, 3: d2}), e.pad(v, {2: l2, 3: dv2})]
+        # Causal attention with s == l already hides every padded key from every real query.
+        if mask is not None or (l2 != l_ and not (causal and s == l_)):
+            ins.append(self._key_mask(e, q, mask, s, s2, l_, l2))
+        y = e.op("fused_attention", ins, dict(node.attrs), label="aligned")
+        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        return True
+
+    def _key_mask(self, e: _Emit, q: Value, mask: Value | None, s: int, s2: int, l_: int, l2: int) -> Value:
+        """A mask that also hides the padded keys: pad keys are never attended; padded query rows
+        attend the real keys (their results are sliced off)."""
+        if mask is None:
+            t = torch.zeros(1, 1, 1, l2, dtype=q.type.dtype.torch)
+            t[..., l_:] = float("-inf")
+            return e.const(f"{e.at.name}_key_mask", t)
+        m = mask
+        if m.type.rank < 4:
+            m = e.op("reshape", [m], {"shape": (1,) * (4 - m.type.rank) + m.type.shape}, label="mask4d")
+        if m.type.dtype == DType.bool:
+            no, yes = e.const(f"{e.at.name}_false", torch.tensor(False)), e.const(f"{e.at.name}_true", torch.tensor(True))
+        else:
+            no = e.const(f"{e.at.name}_ninf", torch.tensor(float("-inf"), dtype=m.type.dtype.torch))
+            yes = e.const(f"{e.at.name}_zero", torch.tensor(0.0, dtype=m.type.dtype.torch))
+        if l2 != l_:
+            if m.type.shape[-1] == 1:  # a mask broadcast along keys must now tell real keys from padding
+                m = e.op("expand", [m], {"shape": m.type.shape[:-1] + (l_,)}, label="mask_keys")
+            m = e.pad(m, {-1: l2}, no)
+        if m.type.shape[-2] != 1 and s2 != s:
+            m = e.pad(m, {-2: s2}, yes)
+        return m
+
+    def _unfuse(self, g: Graph, node: Node) -> None:
+        """fused_attention as matmul -> scale -> mask -> softmax -> matmul."""
+        q, k, v = node.inputs[:3]
+        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        e = _Emit(g, node)
+        b, h, s, d = q.type.shape
+        hk, l_ = k.type.shape[1], k.type.shape[2]
+        if hk != h:  # grouped-query attention: repeat k/v heads
+            def rep(x: Value) -> Value:
+                x5 = e.op("reshape", [x], {"shape": (b, hk, 1) + x.type.shape[2:]}, label="rep")
+                x5 = e.op("expand", [x5], {"shape": (b, hk, h // hk) + x.type.shape[2:]}, label="rep")
+                return e.op("reshape", [x5], {"shape": (b, h) + x.type.shape[2:]}, label="rep")
+            k, v = rep(k), rep(v)
+        kt = e.op("transpose", [k], {"perm": (0, 1, 3, 2)})
+        scores = e.op("matmul", [q, kt], label="scores")
+        scale = e.const(f"{node.name}_scale", torch.tensor(node.attrs["scale"], dtype=q.type.dtype.torch))
+        scores = e.op("mul", [scores, scale], label="scaled")
+        ninf = e.const(f"{node.name}_ninf", torch.tensor(float("-inf"), dtype=q.type.dtype.torch))
+        if node.attrs["causal"]:
+            allowed = e.const(f"{node.name}_causal", torch.ones(s, l_, dtype=torch.bool).tril())
+            scores = e.op("where", [allowed, scores, ninf], label="causal")
+        if mask is not None:
+            if mask.type.dtype == DType.bool:
+                scores = e.op("where", [mask, scores, ninf], label="masked")
+            else:
+                scores = e.op("add", [scores, mask], label="masked")
+        probs = e.op("softmax", [scores], {"axis": 3})
+        self._replace(g, node, e.op("matmul", [probs, v], label="out"))
