@@ -1,6 +1,7 @@
 """The `npuc` command line.
 
     npuc compile MODEL --input_shape "input_ids:1,16" --output build/model   # -> build/model.om
+    npuc compile MODEL ... --dump-ir-after=all --dump-dir ir/ --time-passes --fusion-report fusion.json
     npuc run build/model.om --input input_ids=ids.npy --output-dir out/
     npuc dump build/model.om
 
@@ -65,10 +66,23 @@ def main() -> None:
               help="Output prefix: writes <output>.om (default: the model's name, in the current folder).")
 @click.option("--soc_version", "--soc-version", "soc_version", default=None, help="Target: npu (default) or cpu.")
 @click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
+@click.option("--dump-ir-after", "--dump_ir_after", "dump_ir_after", metavar="all|PASS[,PASS...]",
+              help="Write the textual IR after these passes (and the frontend's, as 00-input.ir) into --dump-dir.")
+@click.option("--dump-dir", "--dump_dir", "dump_dir", metavar="DIR", help="Folder for --dump-ir-after's NN-PASS.ir files.")
+@click.option("--time-passes", "--time_passes", "time_passes", is_flag=True,
+              help="Print each pass's wall time, and the total, to stderr.")
+@click.option("--fusion-report", "--fusion_report", "fusion_report", metavar="FILE",
+              help="Write a JSON report: each rewrite rule's matches and refusals, what each fusion replaced, op counts.")
+@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
+              help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
+                   "allow_mix_precision_bf16.")
+@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
+              help="A file of op (node) names, one a line, that keep their original precision.")
 @handle_errors
 def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str | None,  # noqa: A001
-            soc_version: str | None, debug: bool) -> None:
-    """Compile MODEL (.pt2 or Hugging Face checkpoint folder) to a .om file."""
+            soc_version: str | None, debug: bool, dump_ir_after: str | None, dump_dir: str | None,
+            time_passes: bool, fusion_report: str | None, precision_mode: str, keep_dtype: str | None) -> None:
+    """Compile MODEL (.onnx, .pt2 or Hugging Face checkpoint folder) to a .om file."""
     _quiet_libraries()
     source = model or model_opt
     if not source:
@@ -78,7 +92,9 @@ def compile(model: str | None, model_opt: str | None, input_shape: str | None, o
 
     if output is None:
         output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
-    path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug)
+    path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug,
+                         dump_ir_after=dump_ir_after, dump_dir=dump_dir, time_passes=time_passes,
+                         fusion_report=fusion_report, precision_mode=precision_mode, keep_dtype=keep_dtype)
     click.echo(f"wrote {path}")
 
 

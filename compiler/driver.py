@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,13 +14,14 @@ import torch
 from npuc.backend.lower import lower
 from npuc.backend.targets import get_target
 from npuc.backend.writer import write_om
+from npuc.compiler import instrument
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph
-from npuc.passes.manager import PassManager
 from npuc.passes.pipeline import default_pipeline
+from npuc.passes.precision import check_mode
 
 log = logging.getLogger("npuc")
 
@@ -112,6 +114,21 @@ def _torch_dtype(dt: Any) -> torch.dtype:
                         exit_code=EXIT_USAGE) from None
 
 
+def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None) -> frozenset[str]:
+    """Node names from a --keep_dtype file (one a line, # comments) or a list."""
+    if keep is None:
+        return frozenset()
+    if not isinstance(keep, (str, os.PathLike)):
+        return frozenset(keep)
+    try:
+        with open(keep) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise NpucError("NPUC-E0401", f"cannot read --keep_dtype file {os.fspath(keep)!r}: {e.strerror}",
+                        "give a text file with one op name a line", exit_code=EXIT_IO) from None
+    return frozenset(ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip())
+
+
 def compile_model(
     model: Any,
     *,
@@ -120,22 +137,41 @@ def compile_model(
     soc_version: str | None = None,
     input_dtypes: Mapping[str, Any] | None = None,
     debug: bool = False,
+    dump_ir_after: str | Sequence[str] | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    time_passes: bool = False,
+    fusion_report: str | os.PathLike[str] | None = None,
+    precision_mode: str = "must_keep_origin_dtype",
+    keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None,
 ) -> str:
-    """Compile `model` to `<output>.om` and return that path."""
+    """Compile `model` to `<output>.om` and return that path.
+
+    `debug` runs the verifier after every pass. `dump_ir_after` ("all", or pass
+    names) writes the textual IR into `dump_dir` after those passes; `time_passes`
+    prints each pass's wall time to stderr; `fusion_report` writes a JSON report of
+    what each rewrite rule matched, applied and refused (see compiler/instrument.py).
+    `precision_mode` picks compute dtypes (passes/precision.py); `keep_dtype` names ops
+    (a file with one node name a line, or a list) that keep their precision.
+    Every option is checked before the model is read."""
     target = get_target(soc_version)
+    passes = default_pipeline(check_mode(precision_mode), read_keep_dtype(keep_dtype), target.matrix_tile,
+                              target.max_head_dim)
+    dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
     out_path = os.fspath(output)
     if not out_path.endswith(".om"):
         out_path += ".om"
-    parent = os.path.dirname(os.path.abspath(out_path))
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise NpucError("NPUC-E0406", f"cannot create output folder {parent!r}: {e.strerror}",
-                        "choose a writable --output prefix", exit_code=EXIT_IO) from None
+    instrument.ensure_parent(out_path, "--output")
+    report_path = os.fspath(fusion_report) if fusion_report is not None else None
+    if report_path is not None:
+        instrument.ensure_parent(report_path, "--fusion-report")
     graph, source = build_graph(model, input_shape, input_dtypes)
-    graph = PassManager(default_pipeline(), verify_each=debug).run(graph)
+    run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper)
+    if time_passes:
+        print(instrument.format_timings(run), file=sys.stderr)
+    if report_path is not None:
+        instrument.write_fusion_report(report_path, instrument.fusion_report(run))
     meta = {"source_kind": source.kind, "input_shape": str(input_shape)}
-    low = lower(graph, target, meta)
+    low = lower(run.graph, target, meta)
     try:
         write_om(low, out_path)
     except OSError as e:

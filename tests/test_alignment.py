@@ -125,9 +125,10 @@ def test_compiled_model_at_an_odd_length_is_aligned_and_exact(hf_checkpoints: di
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_checkpoints["deepseek_v3"]),
                                                               attn_implementation="eager").eval()
     torch.testing.assert_close(got, model(torch.from_numpy(ids)).logits, atol=1e-4, rtol=0)
-    from npuc.cli.main import main  # noqa: F401  (dump must list the pads)
     import subprocess
     import sys
+
+    from npuc.cli.main import main  # noqa: F401  (dump must list the pads)
 
     r = subprocess.run([sys.executable, "-m", "npuc", "dump", path], capture_output=True, text=True)
     assert r.returncode == 0 and " pad " in r.stdout

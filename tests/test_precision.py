@@ -101,3 +101,23 @@ def test_unknown_mode_is_a_usage_error() -> None:
     with pytest.raises(NpucError) as info:
         Precision("fp8_please")(Graph())
     assert info.value.code == "NPUC-E0117" and info.value.exit_code == 2
+
+
+def test_cli_precision_flags(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    keep = tmp_path / "keep.txt"
+    keep.write_text("# stays f32\nlinear\n")
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(hf_checkpoints["llama"]), "--input_shape",
+                        "input_ids:1,16", "--output", str(tmp_path / "h"), "--precision_mode=force_fp16",
+                        "--keep_dtype", str(keep)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sess = npuc.load(str(tmp_path / "h.om"))
+    lin = [o for o in sess.program.ops if o.op == "linear"]
+    dtypes = Counter(sess.tensors[o.outputs[0]].dtype for o in lin)
+    assert dtypes == {DType.f32: 1, DType.f16: 14}
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(hf_checkpoints["llama"]), "--input_shape",
+                        "input_ids:1,16", "--output", str(tmp_path / "x"), "--precision_mode", "fp3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "NPUC-E0117" in r.stderr and "Traceback" not in r.stderr
