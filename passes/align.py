@@ -21,12 +21,15 @@ of rank-1 operands.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from npuc.ir import DType, Graph, Node, TensorSource, TensorType, Value, get_op
 from npuc.passes.manager import Pass, PassResult
+
+log = logging.getLogger("npuc")
 
 
 def _up(n: int, tile: int) -> int:
@@ -79,8 +82,10 @@ class TargetAlignment(Pass):
             if node.op == "fused_attention":
                 q, v = node.inputs[0], node.inputs[2]
                 if max(q.type.shape[-1], v.type.shape[-1]) > self.max_head_dim:
-                    details["fallback"].append(f"{node.name}: head dim {q.type.shape[-1]} exceeds the target's "
-                                               f"maximum {self.max_head_dim}; attention left unfused")
+                    warning = (f"{node.name}: head dim {q.type.shape[-1]} exceeds the target's maximum "
+                               f"{self.max_head_dim}; attention left unfused")
+                    details["fallback"].append(warning)
+                    log.warning(warning)
                     self._unfuse(g, node)
         for node in list(g.nodes):
             done = False

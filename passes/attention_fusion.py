@@ -5,7 +5,7 @@ decomposed form exporters write at opset 18:
 
     %kt = transpose[perm=[0,1,3,2]](%k)        (or reshape -> transpose -> reshape)
     %s  = matmul(mul(%q, @c1), mul(%kt, @c2))   (scale on the scores, split as sqrt on q and k, or absent)
-    %sm = softmax[axis=-1](add(%s, @mask))      (additive or boolean mask, or none)
+    %sm = softmax[axis=-1](add(%s, @mask))      (additive mask, where(%mask, %s, -inf), or none)
     %p  = where(is_nan(%sm), @zero, %sm)        (the NaN guard, optional)
     %y  = matmul(%p, %v)
   ->
@@ -42,8 +42,9 @@ def repeat_source(v: Value) -> Value | None:
 
     `v` is the repeat's final reshape [b, hkv*n, s, d], or its expand [b, hkv, n, s, d]
     when an exporter merged that reshape into the next one."""
+    final = None
     if v.producer is not None and v.producer.op == "reshape" and v.type.rank == 4:
-        v = v.producer.inputs[0]
+        final, v = v, v.producer.inputs[0]
     e = v.producer
     if e is None or e.op != "expand" or v.type.rank != 5:
         return None
@@ -52,9 +53,12 @@ def repeat_source(v: Value) -> Value | None:
         return None
     base = r1.inputs[0]
     b, h, s, d = base.type.shape
-    if r1.outputs[0].type.shape == (b, h, 1, s, d) and v.type.shape[:2] == (b, h) and v.type.shape[3:] == (s, d):
-        return base
-    return None
+    n = v.type.shape[2]
+    if r1.outputs[0].type.shape != (b, h, 1, s, d) or v.type.shape != (b, h, n, s, d):
+        return None
+    if final is not None and final.type.shape != (b, h * n, s, d):
+        return None  # the heads were regrouped some other way: not a repeat
+    return base
 
 
 def strip_repeat_kv(v: Value) -> Value:
@@ -132,8 +136,10 @@ def _scaled(inner: object, name: str) -> object:
 def _decomposed_pattern() -> object:
     scores = op("matmul", _scaled(var("q"), "cq"), _scaled(_kt("k"), "ck"), bind="qk")
     scaled = _scaled(scores, "cs")
-    masked = any_of(op("add", scaled, var("mask")), scaled)
-    sm = op("softmax", masked, bind="sm", axis=lambda a: a == 3)
+    ninf = const(value=float("-inf"))
+    masked = any_of(op("add", scaled, var("mask")),
+                    op("where", var("mask", lambda v: v.type.dtype == DType.bool), scaled, ninf), scaled)
+    sm = op("softmax", masked, bind="sm", axis=lambda a: a in (3, -1))
     guarded = any_of(op("where", op("is_nan", sm), const(value=0.0), sm), sm)
     return op("matmul", opt("cast", guarded), var("v"))
 
@@ -153,7 +159,8 @@ def _key(b: Builder | None, m: Match) -> Value | str:
     if k.type.numel != bb * h * s * d:
         return "the key view does not hold [batch, heads, seq, dim]"
     base = repeat_source(k)
-    if base is not None and base.type.shape[0] == bb and base.type.shape[2:] == (s, d) and h % base.type.shape[1] == 0:
+    if base is not None and base.type.shape[0] == bb and base.type.shape[2:] == (s, d) and \
+            base.type.shape[1] * (k.type.shape[2] if k.type.rank == 5 else h // base.type.shape[1]) == h:
         return base
     if b is None:
         return k
@@ -166,8 +173,6 @@ def _decomposed_check(m: Match) -> str | None:
     if isinstance(k, str):
         return k
     mask = m.values.get("mask")
-    if mask is not None and mask.type.dtype == DType.bool:
-        return "a boolean mask added to the scores"
     if q.type.rank != 4:
         return "attention operands are not 4-D [batch, heads, seq, dim]"
     scores = m["qk"].type.shape

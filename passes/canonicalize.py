@@ -73,7 +73,9 @@ class Canonicalize(RewritePass):
             Rule("rsqrt-of-reciprocal-sqrt", op("reciprocal", op("sqrt", var("x"))),
                  lambda b, m: b.op("rsqrt", [m["x"]])),
             Rule("rsqrt-of-one-over-sqrt", op("div", const(value=1.0), op("sqrt", var("x"))),
-                 lambda b, m: b.op("rsqrt", [m["x"]])),
+                 lambda b, m: b.op("rsqrt", [m["x"]]),
+                 check=lambda m: None if m.matched[0].outputs[0].type == m["x"].type
+                 else "the constant broadcasts the result"),
             Rule("div-by-sqrt", op("div", var("x"), op("sqrt", var("v"))),
                  lambda b, m: b.op("mul", [m["x"], b.op("rsqrt", [m["v"]])])),
             Rule("div-by-const", op("div", var("x", _is_float), var("c", _scalar_const)), _div_by_const),

@@ -42,7 +42,10 @@ class CommonSubexpressionElimination(Pass):
             else:
                 seen_const[key] = c
         seen: dict[tuple[Any, ...], Any] = {}
+        outputs = {id(v) for v in g.outputs}
         for node in list(g.nodes):
+            if any(id(o) in outputs for o in node.outputs):
+                continue  # a graph output keeps its own node and name
             nkey = (node.op, tuple(id(v) for v in node.inputs),
                     tuple((k, format_attr(node.attrs[k])) for k in sorted(node.attrs)))
             if nkey in seen:

@@ -26,12 +26,14 @@ tables are stored in the compute dtype unless that changes them by more than
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from npuc.errors import EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Node, Value
 from npuc.passes.manager import Pass, PassResult
 
+log = logging.getLogger("npuc")
 MODES = ("must_keep_origin_dtype", "force_fp32", "force_fp16", "allow_fp32_to_fp16", "allow_mix_precision_bf16")
 CUBE_OPS = frozenset({"linear", "matmul", "fused_attention"})
 _NO_CONVERT = frozenset({"cast", "gather", "reshape", "transpose", "expand", "slice", "concat", "split"})
@@ -105,6 +107,8 @@ class Precision(Pass):
             elif node.op == "rope_lut" and i >= 2 and not self._rope_table_ok(v, want):
                 ins.append(v)  # the kernel reads tables of any float dtype in f32
                 details["rope_tables_f32"].append(v.name)
+                log.warning("RoPE table %s kept in f32: %s would change it by more than %g", v.name, want,
+                            self.rope_table_tol)
             else:
                 ins.append(_cast(g, v, want, node))
         out = node.outputs[0]

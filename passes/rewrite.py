@@ -109,6 +109,7 @@ class Match:
     values: Mapping[str, Value]
     nodes: Mapping[str, Node]
     matched: tuple[Node, ...]  # every node the pattern covered, root first
+    vars: tuple[str, ...] = ()  # names bound by var() (not by a named op pattern)
 
     def __getitem__(self, name: str) -> Value:
         return self.values[name]
@@ -123,9 +124,10 @@ class Match:
         return src.load()
 
     def bind(self, values: Mapping[str, Value] | None = None, nodes: Mapping[str, Node] | None = None,
-             node: Node | None = None) -> Match:
+             node: Node | None = None, var: str | None = None) -> Match:
         return Match({**self.values, **(values or {})}, {**self.nodes, **(nodes or {})},
-                     self.matched + ((node,) if node is not None and node not in self.matched else ()))
+                     self.matched + ((node,) if node is not None and node not in self.matched else ()),
+                     self.vars + ((var,) if var is not None else ()))
 
 
 @dataclass
@@ -144,8 +146,10 @@ def _const_equals(v: Value, value: float, tol: float) -> bool:
     # Only constants already in memory are inspected: a weight is never read to be pattern-matched.
     if v.const is None or v.type.numel > 64 or not getattr(v.const, "in_memory", False):
         return False
-    t = v.const.load()
-    return bool(torch.allclose(t.double(), torch.full_like(t.double(), value), atol=tol, rtol=0))
+    t = v.const.load().double()
+    if value in (float("inf"), float("-inf")):
+        return bool((t == value).all())
+    return bool(torch.allclose(t, torch.full_like(t, value), atol=tol, rtol=0))
 
 
 def _match(p: Pat, v: Value, m: Match, prog: _Progress) -> Iterator[Match]:
@@ -160,7 +164,7 @@ def _match(p: Pat, v: Value, m: Match, prog: _Progress) -> Iterator[Match]:
         if p.where is not None and not p.where(v):
             prog.fail(depth, f"{v.ref()} does not satisfy %{p.name}'s condition")
             return
-        yield m.bind({p.name: v})
+        yield m.bind({p.name: v}, var=p.name)
     elif isinstance(p, Const):
         if v.const is None:
             prog.fail(depth, f"{v.ref()} is not a constant")
@@ -331,6 +335,10 @@ class RewriteEngine:
             if leak is not None:
                 stats.refused[f"{leak.ref()} is used outside the match"] += 1
                 continue
+            inner = next((name for name in m.vars if m.values[name].producer in inside), None)
+            if inner is not None:  # the rewrite would read a value it is about to remove
+                stats.refused[f"%{inner} binds a value computed inside the match"] += 1
+                continue
             reason = rule.check(m)
             if reason:
                 stats.refused[reason] += 1
@@ -338,13 +346,17 @@ class RewriteEngine:
             b = Builder(g, root, root.name)
             new = rule.rewrite(b, m)
             old = root.outputs[0]
+            refusal = None
             if id(old) in outputs and (new.producer is None or new.producer not in b.created):
-                for n in reversed(b.created):  # a graph output keeps a node of its own, and its name
-                    g.remove_node(n)
-                stats.refused["the root is a graph output and the rewrite gives an existing value"] += 1
+                refusal = "the root is a graph output and the rewrite gives an existing value"
+            elif new.type != old.type:  # a broadcast the rule did not foresee: never a wrong program
+                refusal = f"the rewrite would change {old.type} into {new.type}"
+            if refusal is not None:
+                for n in reversed(b.created):
+                    if all(not o.uses for o in n.outputs):
+                        g.remove_node(n)
+                stats.refused[refusal] += 1
                 continue
-            if new.type != old.type:
-                raise InternalError(f"rule {rule.name} replaced {old.ref()} : {old.type} with {new.type}")
             g.replace_all_uses_with(old, new)
             outputs = {id(v) for v in g.outputs}
             replaced = [n.name for n in m.matched]
@@ -374,7 +386,7 @@ class RewriteEngine:
             reason, count = stats.refused.most_common(1)[0]
             return f"{rule_name}: matched {stats.matched} time(s), refused: {reason} (x{count})"
         p = self._progress[rule_name]
-        return f"{rule_name}: best partial match covered {p.depth + 1} node(s), then {p.message}"
+        return f"{rule_name}: best partial match covered {max(p.depth, 0)} node(s), then {p.message}"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _norm(x: str = "x") -> object:
 
 def _check(m: Match) -> str | None:
     x, mean = m["x"], m["mean"]
-    if mean.producer is None or mean.producer.attrs["axes"] != (x.type.rank - 1,):
+    if mean.producer is None or tuple(a % x.type.rank for a in mean.producer.attrs["axes"]) != (x.type.rank - 1,):
         return "the mean is not over the last axis"
     if m["eps"].type.numel != 1:
         return "eps is not a scalar"

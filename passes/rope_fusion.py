@@ -33,12 +33,21 @@ from dataclasses import dataclass
 
 import torch
 
-from npuc.ir import Value
+from npuc.ir import Node, Value, get_op
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, op, var
 
 
 def _const(v: Value) -> bool:
     return v.is_const
+
+
+def _attrs(n: Node) -> dict[str, object]:
+    return get_op(n.op).full_attrs(n.attrs)
+
+
+def _last(n: Node, key: str = "axis") -> bool:
+    rank = n.outputs[0].type.rank
+    return int(_attrs(n)[key]) % rank == rank - 1  # type: ignore[call-overload]
 
 
 def _rows(t: torch.Tensor, seq: int) -> torch.Tensor | None:
@@ -81,6 +90,8 @@ def _check_tables(m: Match, half_width: bool) -> str | None:
     x = m["x"]
     if x.type.rank != 4:
         return "x is not [batch, heads, seq, dim]"
+    if m.matched[0].outputs[0].type != x.type:
+        return "the tables broadcast x to another shape"
     seq, d = x.type.shape[-2:]
     for name in ("cos", "sin"):
         t = m[name].type
@@ -96,10 +107,10 @@ def _check_tables(m: Match, half_width: bool) -> str | None:
 def _half_check(m: Match) -> str | None:
     x, lo, hi = m["x"], m.node("lo"), m.node("hi")
     d = x.type.shape[-1]
-    if x.type.rank and (lo.attrs["axis"], hi.attrs["axis"], m.node("cat").attrs["axis"]) != (x.type.rank - 1,) * 3:
+    if not (_last(lo) and _last(hi) and _last(m.node("cat"))):
         return "the halves are not taken along the last axis"
-    if (lo.attrs["start"], lo.attrs["end"], lo.attrs["step"]) != (0, d // 2, 1) or \
-            (hi.attrs["start"], hi.attrs["end"], hi.attrs["step"]) != (d // 2, d, 1):
+    la, ha = _attrs(lo), _attrs(hi)
+    if (la["start"], la["end"], la["step"]) != (0, d // 2, 1) or (ha["start"], ha["end"], ha["step"]) != (d // 2, d, 1):
         return "the slices are not the two halves of the head dim"
     return _check_tables(m, half_width=False)
 
@@ -118,11 +129,11 @@ def _half_pattern() -> object:
 # -- DeepSeek: interleaved pairs in, halves out ------------------------------------------------
 
 def _pairs_check(m: Match) -> str | None:
-    x, e, o = m["x"], m.node("xe"), m.node("xo")
-    last = x.type.rank - 1
-    if (e.attrs["axis"], o.attrs["axis"], m.node("cat").attrs["axis"]) != (last, last, last):
+    e, o = m.node("xe"), m.node("xo")
+    if not (_last(e) and _last(o) and _last(m.node("cat"))):
         return "the pairs are not taken along the last axis"
-    if (e.attrs["start"], e.attrs["step"], o.attrs["start"], o.attrs["step"]) != (0, 2, 1, 2):
+    ea, oa = _attrs(e), _attrs(o)
+    if (ea["start"], ea["step"], oa["start"], oa["step"]) != (0, 2, 1, 2):
         return "the slices are not the even/odd elements"
     return _check_tables(m, half_width=True)
 
@@ -149,8 +160,7 @@ def _onnx_check(m: Match) -> str | None:
         return "3-D RotaryEmbedding input (heads folded into hidden)"
     if len(n.inputs) == 4:
         return None
-    cos = m.data("cos")
-    if _rows(cos, x.type.shape[-2]) is None:
+    if _rows(m.data("cos"), x.type.shape[-2]) is None or _rows(m.data("sin"), x.type.shape[-2]) is None:
         return "the cos/sin caches vary along batch"
     return None
 

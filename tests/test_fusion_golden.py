@@ -14,13 +14,14 @@ from hf_models import ARCHS
 
 LAYERS = 2
 # Per architecture: one fused attention per layer, RoPE on q and k, every norm one rms_norm
-# (DeepSeek's MLA adds q_a and kv_a norms), one SwiGLU per MLP.
+# (DeepSeek's MLA adds q_a and kv_a norms), one SwiGLU per MLP; the only adds left are the two
+# residuals per layer (Qwen2's q/k/v biases are fused into their linears).
 GOLDEN = {
-    "llama": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15},
-    "qwen2": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15},
-    "mistral": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15},
-    "phi3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 9},
-    "deepseek_v3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 9, "swiglu": 2, "linear": 17},
+    "llama": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15, "add": 4},
+    "qwen2": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15, "add": 4},
+    "mistral": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15, "add": 4},
+    "phi3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 9, "add": 4},
+    "deepseek_v3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 9, "swiglu": 2, "linear": 17, "add": 4},
 }
 # Nothing of the unfused forms may be left: no softmax, pow, mean, trigonometry, rotate-half
 # negation, sigmoid gate, separate rsqrt, matmul with a weight, or bias add.

@@ -121,3 +121,28 @@ def test_cli_precision_flags(hf_checkpoints: dict[str, Path], tmp_path: Path) ->
                         "input_ids:1,16", "--output", str(tmp_path / "x"), "--precision_mode", "fp3"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "NPUC-E0117" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_filecheck_force_fp16() -> None:
+    # each converted op reads casts and is cast back; the f16 round trip between ops collapses
+    from npuc.ir import TensorSource, parse_graph
+
+    g = parse_graph("""graph main(%x : f32[2,8]) {
+  const @w : f32[8,8]
+  %a : f32[2,8] = linear(%x, @w)
+  %b : f32[2,8] = silu(%a)
+  return %b
+}
+""")
+    g.constants["w"].const = TensorSource(torch.randn(8, 8))
+    Precision("force_fp16")(g)
+    assert str(g) == """graph main(%x : f32[2,8]) {
+  const @w : f32[8,8]
+  %x_f16 : f16[2,8] = cast[dtype=f16](%x)
+  %w_f16 : f16[8,8] = cast[dtype=f16](@w)
+  %a_f16 : f16[2,8] = linear(%x_f16, %w_f16)
+  %b_f16 : f16[2,8] = silu(%a_f16)
+  %b : f32[2,8] = cast[dtype=f32](%b_f16)
+  return %b
+}
+"""

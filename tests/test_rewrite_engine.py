@@ -236,6 +236,18 @@ def test_const_value_default_tolerance_is_tight() -> None:
     assert len(matches(op("mul", var("a"), const(value=1.0)), graph(CONST_GRAPH, c=torch.tensor(1.0)), "y")) == 1
 
 
+def test_const_value_never_inspects_a_big_constant() -> None:
+    # Over 64 elements a constant is a weight, not a scalar to compare, even in memory.
+    g = graph("""
+        graph main(%x : f32[65]) {
+          const @c : f32[65]
+          %y : f32[65] = mul(%x, @c)
+          return %y
+        }
+        """, c=torch.ones(65))
+    assert matches(op("mul", var("a"), const(value=1.0)), g, "y") == []
+
+
 def test_const_value_never_reads_a_file_backed_weight() -> None:
     g = graph(CONST_GRAPH)
     src = FileBacked(torch.tensor(1.0))
@@ -352,9 +364,6 @@ def test_an_interior_value_that_is_a_graph_output_is_refused() -> None:
     assert dict(engine.stats["rsqrt"].refused) == {"%s is used outside the match": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a variable bound to a value an interior node produces (the "
-                   "pattern's own silu/neg output) is not refused; the rewrite reads it, and removing the "
-                   "matched nodes then raises 'left matched nodes with users' with the graph half-rewritten")
 def test_a_variable_bound_inside_the_match_does_not_break_the_graph() -> None:
     # mul(neg(%a), %b) on mul(%n, %n): %b binds %n, which the matched neg produces.
     g = graph("""
@@ -465,8 +474,6 @@ def test_explain_names_the_best_partial_match() -> None:
     assert engine.explain("nonesuch") == "nonesuch: never run"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: explain() reports one node more than the best partial match "
-                   "covered (`_Progress.depth` is already the number of nodes matched; explain prints depth + 1)")
 def test_explain_counts_the_nodes_the_best_partial_match_covered() -> None:
     g = graph("""
         graph main(%x : f32[4]) {
@@ -594,7 +601,7 @@ def test_provenance_lists_created_and_replaced_nodes() -> None:
     assert engine.fusions == [Fusion("scaled-rsqrt", ("inv", "y"), ("y", "r", "s"))]
 
 
-def test_a_rewrite_of_the_wrong_type_is_an_internal_error() -> None:
+def test_a_rewrite_of_the_wrong_type_is_refused_and_undone() -> None:
     g = graph("""
         graph main(%x : f32[4]) {
           %s : f32[4] = sqrt(%x)
@@ -604,5 +611,8 @@ def test_a_rewrite_of_the_wrong_type_is_an_internal_error() -> None:
         """)
     bad = Rule("bad", op("reciprocal", op("sqrt", var("x"))),
                lambda b, m: b.op("reduce_sum", [m["x"]], {"axes": (0,)}))
-    with pytest.raises(InternalError, match=r"rule bad replaced %r : f32\[4\] with f32\[\]"):
-        RewriteEngine([bad]).run(g)
+    before = str(g)
+    engine = RewriteEngine([bad])
+    assert not engine.run(g)
+    assert str(g) == before  # the nodes the rewrite built are gone again
+    assert engine.stats["bad"].refused == {"the rewrite would change f32[4] into f32[]": 1}
