@@ -27,7 +27,7 @@ import torch
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import file_range_chunks
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, InternalError, NpucError
-from npuc.ir import DType, Graph, TensorSource, TensorType, Value, get_op
+from npuc.ir import DType, Graph, TensorSource, TensorType, Value, distinct_outputs, get_op
 from npuc.ir.evaluate import fold_node, foldable
 from npuc.ir.ops import ShapeError, broadcast
 
@@ -300,18 +300,6 @@ def _free_name(g: Graph, name: str) -> None:
         if v.name == name and not v.is_input:
             g.rename(v, g.fresh_name(name))
             return
-
-
-def distinct_outputs(g: Graph, outs: list[Value]) -> list[Value]:
-    """Give every graph output its own producing node, so each can carry its own name."""
-    seen: set[int] = set()
-    res = []
-    for v in outs:
-        if id(v) in seen or v.producer is None:
-            v = g.add_node("reshape", [v], [v.type], {"shape": v.type.shape}, names="output").outputs[0]
-        seen.add(id(v))
-        res.append(v)
-    return res
 
 
 def _attr(a: Any) -> Any:

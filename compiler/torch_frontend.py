@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from npuc.errors import EXIT_UNSUPPORTED, InternalError, NpucError
-from npuc.ir import ConstSource, DType, Graph, TensorSource, TensorType, Value, get_op
+from npuc.ir import ConstSource, DType, Graph, TensorSource, TensorType, Value, distinct_outputs, get_op
 from npuc.ir.ops import ShapeError
 
 WeightResolver = Callable[[str, torch.Tensor | None], ConstSource]
@@ -182,25 +182,13 @@ def import_exported_program(
                 raise NpucError("NPUC-E0303", "the exported program mutates its buffers or inputs",
                                 "export the model in eval mode without in-place state updates",
                                 exit_code=EXIT_UNSUPPORTED)
-            outs = _distinct_outputs(g, outs)
+            outs = distinct_outputs(g, outs)
             for i, v in enumerate(outs):
                 want = output_names[i] if output_names and i < len(output_names) else f"output_{i}"
                 if want != v.name and want not in {x.name for x in g.values()}:
                     g.rename(v, want)
             g.set_outputs(outs)
     return g
-
-
-def _distinct_outputs(g: Graph, outs: list[Value]) -> list[Value]:
-    """Give every graph output its own node, so each can carry its own name."""
-    seen: set[int] = set()
-    res = []
-    for v in outs:
-        if id(v) in seen or v.producer is None:
-            v = g.add_node("reshape", [v], [v.type], {"shape": v.type.shape}, names="output").outputs[0]
-        seen.add(id(v))
-        res.append(v)
-    return res
 
 
 # -- converters -------------------------------------------------------------------

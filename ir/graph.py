@@ -272,3 +272,16 @@ class Graph:
         return str(self) == str(other)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def distinct_outputs(g: Graph, outs: list[Value]) -> list[Value]:
+    """Give every graph output its own producing node (an identity reshape where an
+    output is an input, a constant, or another output), so each can carry its own name."""
+    seen: set[int] = set()
+    res = []
+    for v in outs:
+        if id(v) in seen or v.producer is None:
+            v = g.add_node("reshape", [v], [v.type], {"shape": v.type.shape}, names="output").outputs[0]
+        seen.add(id(v))
+        res.append(v)
+    return res
