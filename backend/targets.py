@@ -1,10 +1,23 @@
-"""Target descriptions. v0 knows two built-ins; target files come later."""
+"""Targets are data: a TOML file per target (see backend/target_files/npu.toml).
+
+`--soc_version NAME` picks a built-in; `--soc_version path/to/target.toml` reads a
+user's own file with the same keys. Every key is checked, and a bad file is
+refused naming the file and the key.
+"""
 
 from __future__ import annotations
 
+import os
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from npuc.errors import EXIT_USAGE, NpucError
+from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, NpucError
+from npuc.ir import DType
+
+BUILTIN_DIR = Path(__file__).parent / "target_files"
+DEFAULT_TARGET = "npu"
 
 
 @dataclass(frozen=True)
@@ -14,18 +27,94 @@ class Target:
     matrix_tile: int = 16
     weight_alignment: int = 64
     max_head_dim: int = 256
+    vector_width: int = 256
+    capacity_bytes: int = 1 << 40
+    bandwidth_gbps: float = 100.0
+    dtypes: frozenset[DType] = frozenset(DType)
+    description: str = ""
+    path: str = ""
 
 
-TARGETS = {
-    "npu": Target("npu", alignment=512),
-    "cpu": Target("cpu", alignment=64, matrix_tile=1),
+_KEYS: dict[tuple[str, ...], type | tuple[type, ...]] = {
+    ("name",): str, ("matrix", "tile"): int, ("vector", "width_bytes"): int, ("memory", "alignment"): int,
+    ("memory", "weight_alignment"): int, ("memory", "capacity_bytes"): int,
+    ("memory", "bandwidth_gbps"): (int, float), ("dtypes", "supported"): list, ("attention", "max_head_dim"): int,
 }
-DEFAULT_TARGET = "npu"
+
+
+def builtin_targets() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+
+
+def _bad(path: str, key: str, why: str) -> NpucError:
+    return NpucError("NPUC-E0118", f"target file {path!r}: {key} {why}",
+                     f"see {BUILTIN_DIR / 'npu.toml'} for every key", exit_code=EXIT_USAGE)
+
+
+def load_target(path: str | os.PathLike[str]) -> Target:
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise NpucError("NPUC-E0401", f"cannot read target file {p!r}: {e.strerror}",
+                        "give a built-in name or a readable .toml file", exit_code=EXIT_IO) from None
+    except tomllib.TOMLDecodeError as e:
+        raise _bad(p, "the file", f"is not valid TOML ({e})") from None
+    values: dict[tuple[str, ...], Any] = {}
+    for keys, kind in _KEYS.items():
+        node: Any = data
+        for k in keys:
+            if not isinstance(node, dict) or k not in node:
+                raise _bad(p, ".".join(keys), "is missing")
+            node = node[k]
+        if not isinstance(node, kind) or isinstance(node, bool):
+            raise _bad(p, ".".join(keys), f"must be a {getattr(kind, '__name__', 'number')}, not {node!r}")
+        values[keys] = node
+    for keys in (("matrix", "tile"), ("memory", "alignment"), ("memory", "weight_alignment")):
+        v = values[keys]
+        if v < 1 or (keys[0] == "memory" and v & (v - 1)):
+            raise _bad(p, ".".join(keys), f"must be a positive{' power of two' if keys[0] == 'memory' else ''}, "
+                       f"not {v}")
+    names = {d.value: d for d in DType}
+    unknown = [d for d in values[("dtypes", "supported")] if d not in names]
+    if unknown:
+        raise _bad(p, "dtypes.supported", f"has unknown dtypes {unknown} (known: {sorted(names)})")
+    return Target(
+        name=values[("name",)], alignment=values[("memory", "alignment")], matrix_tile=values[("matrix", "tile")],
+        weight_alignment=values[("memory", "weight_alignment")], max_head_dim=values[("attention", "max_head_dim")],
+        vector_width=values[("vector", "width_bytes")], capacity_bytes=values[("memory", "capacity_bytes")],
+        bandwidth_gbps=float(values[("memory", "bandwidth_gbps")]),
+        dtypes=frozenset(names[d] for d in values[("dtypes", "supported")]),
+        description=str(data.get("description", "")), path=p)
 
 
 def get_target(name: str | None) -> Target:
     name = name or DEFAULT_TARGET
-    if name not in TARGETS:
+    if name.endswith(".toml") or os.sep in name:
+        return load_target(name)
+    if name not in builtin_targets():
         raise NpucError("NPUC-E0105", f"unknown --soc_version {name!r}",
-                        f"built-in targets: {', '.join(sorted(TARGETS))}", exit_code=EXIT_USAGE)
-    return TARGETS[name]
+                        f"built-in targets: {', '.join(builtin_targets())}, or a path to a target .toml",
+                        exit_code=EXIT_USAGE)
+    return load_target(BUILTIN_DIR / f"{name}.toml")
+
+
+def check_fits(target: Target, weights: int, arena: int, state: int = 0) -> None:
+    """Refuse a model that does not fit the target's memory, with the breakdown."""
+    need = weights + arena + state
+    if need > target.capacity_bytes:
+        raise NpucError("NPUC-E0119", f"the model needs {need:,} bytes (weights {weights:,} + arena {arena:,} + "
+                        f"state {state:,}) but target {target.name!r} has {target.capacity_bytes:,}",
+                        "use a smaller --input_shape, a lower precision (--precision_mode), or a bigger target",
+                        exit_code=EXIT_COMPILE)
+
+
+def check_dtypes(target: Target, used: dict[str, set[str]]) -> None:
+    """Refuse dtypes the target cannot hold; `used` maps dtype names to the values using them."""
+    bad = {d: names for d, names in used.items() if DType(d) not in target.dtypes}
+    if bad:
+        listing = "; ".join(f"{d}: {', '.join(sorted(n)[:3])}{'...' if len(n) > 3 else ''}"
+                            for d, n in sorted(bad.items()))
+        raise NpucError("NPUC-E0122", f"target {target.name!r} does not support {', '.join(sorted(bad))} ({listing})",
+                        "choose --precision_mode to convert, or --soc_version cpu", exit_code=EXIT_COMPILE)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from npuc.backend.lower import lower
-from npuc.backend.targets import get_target
+from npuc.backend.targets import check_dtypes, check_fits, get_target
 from npuc.backend.writer import write_om
 from npuc.compiler import instrument
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
@@ -171,7 +171,12 @@ def compile_model(
     if report_path is not None:
         instrument.write_fusion_report(report_path, instrument.fusion_report(run))
     meta = {"source_kind": source.kind, "input_shape": str(input_shape)}
+    used: dict[str, set[str]] = {}
+    for v in run.graph.values():
+        used.setdefault(v.type.dtype.value, set()).add(v.name)
+    check_dtypes(target, used)
     low = lower(run.graph, target, meta)
+    check_fits(target, low.weights_bytes, low.plan.arena_bytes)
     try:
         write_om(low, out_path)
     except OSError as e:
