@@ -3,7 +3,9 @@
     npuc compile MODEL --input_shape "input_ids:1,16" --output build/model   # -> build/model.om
     npuc compile MODEL ... --dump-ir-after=all --dump-dir ir/ --time-passes --fusion-report fusion.json
     npuc run build/model.om --input input_ids=ids.npy --output-dir out/
-    npuc dump build/model.om
+    npuc dump build/model.om                 # --json: the whole model definition
+    npuc info build/model.om                 # sizes, op counts, metadata (--json)
+    npuc validate build/model.om             # checksums, bounds, memory plan
 
 A user mistake prints one line (`error NPUC-E####: ...`) and a hint, and exits
 with the error's code; only `--debug` shows a traceback.
@@ -142,13 +144,46 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: b
 @main.command()
 @click.argument("om")
 @click.option("--summary", is_flag=True, help="Only the header and op counts.")
+@click.option("--json", "as_json", is_flag=True,
+              help="The section table and the whole model definition as JSON (ignores --summary).")
 @click.option("--debug", is_flag=True)
 @handle_errors
-def dump(om: str, summary: bool, debug: bool) -> None:
+def dump(om: str, summary: bool, as_json: bool, debug: bool) -> None:
     """Print the compiled program: ops, shapes and planned offsets."""
+    if as_json:
+        from npuc.runtime.om_tools import dump_json
+
+        click.echo(dump_json(om))
+        return
     from npuc.runtime.listing import render_listing
 
     click.echo(render_listing(om, summary=summary))
+
+
+@main.command()
+@click.argument("om")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object with sorted keys.")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def info(om: str, as_json: bool, debug: bool) -> None:
+    """Summarise a .om: sections, weight/arena/lower-bound bytes, op and unit counts, metadata."""
+    import json
+
+    from npuc.runtime.om_tools import model_info, render_info
+
+    facts = model_info(om)
+    click.echo(json.dumps(facts, indent=2, sort_keys=True) if as_json else render_info(om, facts))
+
+
+@main.command()
+@click.argument("om")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def validate(om: str, debug: bool) -> None:
+    """Check a .om end to end: checksums, tensor bounds, and the memory plan re-validated."""
+    from npuc.runtime.om_tools import validate_om
+
+    click.echo(validate_om(om))
 
 
 def _quiet_libraries() -> None:

@@ -1,0 +1,281 @@
+"""Looking inside a `.om` without running it: `npuc info`, `npuc validate`, `npuc dump --json`.
+
+    $ npuc info build/llama.om          # sizes, op and unit counts, target, metadata (--json: one object)
+    $ npuc validate build/llama.om      # every checksum, every tensor in bounds, the memory plan re-checked
+    ok: build/llama.om: 2 sections, 2 checksums, 96 tensors in bounds, memory plan of 60 buffers valid, ...
+    $ npuc dump build/llama.om --json   # the whole model definition, as JSON
+
+`info` and `dump --json` check the container's structure and the model
+definition's checksum but do not hash the weights, so they stay quick on large
+models; `validate` checks everything. `validate` trusts nothing the compiler
+recorded: it rebuilds the planner's `Buffer`s from `MemoryPlan.buffers` and the
+tensor offsets and runs the same `validate_plan` the compiler ran, and checks
+that each buffer is live at every step its tensor is used. So a plan damaged or
+edited after compiling (even with fresh checksums) is reported here as a bad
+file, not found later as wrong numbers.
+
+Needs torch, numpy and protobuf only, like the rest of the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from npuc.backend.memory_plan import Buffer, Plan, validate_plan
+from npuc.backend.om_format import FORMAT_VERSION, OmFile, SectionInfo
+from npuc.backend.om_schema import ModelDef
+from npuc.errors import EXIT_IO, InternalError, NpucError
+from npuc.ir import DType, get_op
+
+__all__ = ["dump_json", "model_info", "render_info", "validate_om"]
+
+MODELDEF = "modeldef"
+WEIGHTS = "weights"
+
+E_BOUNDS = "NPUC-E0404"
+E_PARSE = "NPUC-E0405"
+E_UNKNOWN_OP = "NPUC-E0408"
+E_PLAN = "NPUC-E0409"
+
+_HINT = "the file is damaged or was edited after compiling; recompile the model with `npuc compile`"
+
+
+def _bad(code: str, message: str) -> NpucError:
+    return NpucError(code, message, _HINT, exit_code=EXIT_IO)
+
+
+@contextlib.contextmanager
+def _open(path: str, *, verify_weights: bool) -> Iterator[tuple[OmFile, Any]]:
+    """The open container and its parsed, structurally checked model definition.
+
+    Without `verify_weights` only the model definition's checksum is checked."""
+    with OmFile.open(path, verify=verify_weights) as om:
+        with om.section(MODELDEF) as raw:
+            if not verify_weights and hashlib.sha256(raw).hexdigest() != _info(om, MODELDEF).sha256:
+                raise _bad(E_PARSE, f"section '{MODELDEF}' of {path} fails its checksum: the file is corrupt")
+            model = ModelDef()
+            try:
+                model.ParseFromString(bytes(raw))
+            except Exception:  # protobuf's decode errors differ between its implementations
+                raise _bad(E_PARSE, f"{path}: the model definition does not parse") from None
+        _check_structure(path, model)
+        yield om, model
+
+
+def _info(om: OmFile, name: str) -> SectionInfo:
+    for s in om.section_info():
+        if s.name == name:
+            return s
+    om.section(name)  # raises the container's own "no section" error
+    raise InternalError(f"section {name!r} not found")
+
+
+def _check_structure(path: str, model: Any) -> None:
+    """Everything else here indexes freely once this passes: a program exists, every index is a tensor."""
+    if not model.programs:
+        raise _bad(E_PARSE, f"{path}: the model definition has no program")
+    n = len(model.tensors)
+    for prog in model.programs:
+        refs = [*prog.inputs, *prog.outputs, *(b.tensor for b in prog.plan.buffers)]
+        for op in prog.ops:
+            refs += [*op.inputs, *op.outputs]
+        bad = [i for i in refs if not 0 <= i < n]
+        if bad:
+            raise _bad(E_BOUNDS, f"{path}: program {prog.name!r} refers to tensor {bad[0]}, but there are {n}")
+
+
+def _tensor_brief(t: Any) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+
+
+def _sections(om: OmFile) -> list[dict[str, Any]]:
+    return [{"name": s.name, "offset": s.offset, "size": s.size, "align": s.align, "sha256": s.sha256}
+            for s in om.section_info()]
+
+
+# --- npuc info -------------------------------------------------------------------
+
+
+def model_info(path: str) -> dict[str, Any]:
+    """The facts `npuc info` reports, as plain JSON-able data with stable keys."""
+    with _open(path, verify_weights=False) as (om, m):
+        prog = m.programs[0]  # the program the runtime executes
+        sections = _sections(om)
+        regions = Counter(t.region for t in m.tensors)
+        return {
+            "format_version": FORMAT_VERSION,
+            "file_bytes": max((s["offset"] + s["size"] for s in sections), default=0),
+            "sections": sections,
+            "producer": m.producer,
+            "producer_version": m.producer_version,
+            "target": m.target,
+            "program": prog.name,
+            "inputs": [_tensor_brief(m.tensors[i]) for i in prog.inputs],
+            "outputs": [_tensor_brief(m.tensors[i]) for i in prog.outputs],
+            "weights_bytes": m.weights_bytes,
+            "arena_bytes": prog.plan.arena_bytes,
+            "lower_bound_bytes": prog.plan.lower_bound_bytes,
+            "state_bytes": 0,  # .om v1 has no state region (no KV cache) yet
+            "alignment": prog.plan.alignment,
+            "tensor_counts": dict(sorted(regions.items())),
+            "op_total": len(prog.ops),
+            "op_counts": dict(sorted(Counter(o.op for o in prog.ops).items())),
+            "unit_counts": dict(sorted(Counter(o.unit for o in prog.ops).items())),
+            "metadata": {e.key: e.value for e in m.metadata},
+        }
+
+
+def _table(rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> list[str]:
+    """Columns padded to their widest cell; `right` columns (numbers) right-aligned."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) if c in right else cell.ljust(w)
+                      for c, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+
+
+def _b(n: int) -> str:
+    return f"{n:,} B"
+
+
+def _sig(t: dict[str, Any]) -> str:
+    return f"{t['name']}: {t['dtype']}[{','.join(map(str, t['shape']))}]"
+
+
+def render_info(path: str, info: dict[str, Any]) -> str:
+    """`npuc info`'s human form: a key/value table, then sections, ops, units and metadata."""
+    tc = info["tensor_counts"]
+    head = [
+        ("file", f"{path} ({_b(info['file_bytes'])}, .om v{info['format_version']})"),
+        ("producer", f"{info['producer']} {info['producer_version']}"),
+        ("target", info["target"]),
+        ("program", f"{info['program']}: {info['op_total']} ops, "
+                    + ", ".join(f"{n} {r} tensors" for r, n in tc.items())),
+        ("inputs", ", ".join(map(_sig, info["inputs"])) or "(none)"),
+        ("outputs", ", ".join(map(_sig, info["outputs"])) or "(none)"),
+        ("weights", _b(info["weights_bytes"])),
+        ("arena", _b(info["arena_bytes"])),
+        ("lower bound", _b(info["lower_bound_bytes"])),
+        ("state", _b(info["state_bytes"])),
+        ("alignment", _b(info["alignment"])),
+    ]
+    lines = _table(head)
+    lines += [""] + _table([("section", "offset", "size", "sha256")]
+                           + [(s["name"], f"{s['offset']:,}", f"{s['size']:,}", s["sha256"][:16])
+                              for s in info["sections"]], right={1, 2})
+    ops = sorted(info["op_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+    lines += [""] + _table([("op", "count")] + [(k, str(v)) for k, v in ops], right={1})
+    lines += [""] + _table([("unit", "ops")] + [(k, str(v)) for k, v in info["unit_counts"].items()], right={1})
+    if info["metadata"]:
+        lines += [""] + _table([("metadata", "value")] + sorted(info["metadata"].items()))
+    return "\n".join(lines)
+
+
+# --- npuc dump --json ------------------------------------------------------------
+
+
+def dump_json(path: str) -> str:
+    """The section table and the whole model definition as JSON (proto3 JSON mapping:
+    64-bit integers are strings, unset fields are left out), keys sorted."""
+    with _open(path, verify_weights=False) as (om, m):
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "sections": _sections(om),
+            "modeldef": MessageToDict(m, preserving_proto_field_name=True),
+        }
+    return json.dumps(doc, indent=2, sort_keys=True)
+
+
+# --- npuc validate ---------------------------------------------------------------
+
+
+def validate_om(path: str) -> str:
+    """Check the file end to end; return the one-line "ok: ..." summary or raise NpucError."""
+    with _open(path, verify_weights=True) as (om, m):
+        sections = om.section_info()
+        weights_len = _info(om, WEIGHTS).size
+        prog0 = m.programs[0]
+        _check_tensors(path, m, weights_len, prog0.plan.arena_bytes)
+        for prog in m.programs:
+            for op in prog.ops:
+                try:
+                    get_op(op.op)
+                except InternalError:
+                    raise _bad(E_UNKNOWN_OP, f"{path}: op {op.name!r} is {op.op!r}, which this runtime does "
+                                             "not know") from None
+        n_buffers = sum(_check_plan(path, m, prog) for prog in m.programs)
+    plan = prog0.plan
+    return (f"ok: {path}: {len(sections)} sections (checksums match), {len(m.tensors)} tensors in bounds, "
+            f"{sum(len(p.ops) for p in m.programs)} ops, memory plan of {n_buffers} buffers valid "
+            f"(arena {_b(plan.arena_bytes)}, lower bound {_b(plan.lower_bound_bytes)}), "
+            f"weights {_b(m.weights_bytes)}")
+
+
+def _check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> None:
+    if m.weights_bytes != weights_len:
+        raise _bad(E_BOUNDS, f"{path}: the model definition says {m.weights_bytes} weight bytes, the "
+                             f"'{WEIGHTS}' section holds {weights_len}")
+    limits = {"arena": arena_bytes, "weights": weights_len}
+    for t in m.tensors:
+        try:
+            dt = DType(t.dtype)
+        except ValueError:
+            raise _bad(E_PARSE, f"{path}: tensor {t.name!r} has unknown dtype {t.dtype!r}") from None
+        if t.region not in limits:
+            raise _bad(E_PARSE, f"{path}: tensor {t.name!r} is in unknown region {t.region!r}")
+        if any(d < 0 for d in t.shape) or math.prod(t.shape) * dt.itemsize != t.nbytes:
+            raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} is {t.dtype}{list(t.shape)} but says it has "
+                                 f"{t.nbytes} bytes")
+        if t.offset % dt.itemsize or t.offset + t.nbytes > limits[t.region]:
+            raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} (bytes {t.offset}..{t.offset + t.nbytes}) lies "
+                                 f"outside its {t.region} region of {limits[t.region]} bytes")
+
+
+def _check_plan(path: str, m: Any, prog: Any) -> int:
+    """Re-validate one program's memory plan from the file; returns its buffer count."""
+    def bad(reason: str) -> NpucError:
+        return NpucError(E_PLAN, f"the memory plan in {path} is invalid: {reason}",
+                         "buffer ids are tensor indices (see `npuc dump --json`); " + _HINT, exit_code=EXIT_IO)
+
+    pm = prog.plan
+    if pm.alignment <= 0:
+        raise bad("its alignment is 0")
+    for b in pm.buffers:
+        if m.tensors[b.tensor].region != "arena":
+            raise bad(f"buffer {b.tensor} is tensor {m.tensors[b.tensor].name!r}, which is not in the arena")
+    # validate_plan also checks that arena_bytes is where the highest buffer ends
+    # and is not below the lower bound, which it recomputes from the lifetimes.
+    try:
+        buffers = [Buffer(b.tensor, max(m.tensors[b.tensor].nbytes, 1), b.first_step, b.last_step)
+                   for b in pm.buffers]
+        plan = Plan(offsets=tuple(sorted((b.id, m.tensors[b.id].offset) for b in buffers)),
+                    arena_bytes=pm.arena_bytes, lower_bound=pm.lower_bound_bytes, alignment=pm.alignment)
+        validate_plan(buffers, plan)
+    except InternalError as e:  # the planner's invariants, broken by the file rather than by npuc
+        raise bad(str(e)) from None
+
+    # Each arena tensor must be live whenever it is touched: inputs from step 0,
+    # op i (0-based) at step i+1, outputs until the copy-out after the last op.
+    live = {b.id: b for b in buffers}
+    last = len(prog.ops) + 1
+    uses = [(i, 0, "is a program input") for i in prog.inputs]
+    uses += [(i, last, "is a program output") for i in prog.outputs]
+    for step, op in enumerate(prog.ops, start=1):
+        uses += [(i, step, f"is used by op {op.name!r}") for i in [*op.inputs, *op.outputs]]
+    for tid, step, why in uses:
+        t = m.tensors[tid]
+        if t.region != "arena":
+            continue
+        b = live.get(tid)
+        if b is None:
+            raise bad(f"tensor {t.name!r} {why} but has no buffer")
+        if not b.start <= step <= b.end:
+            raise bad(f"tensor {t.name!r} {why} at step {step} but its buffer {tid} is live only over "
+                      f"steps {b.start}..{b.end}")
+    return len(buffers)
