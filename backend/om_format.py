@@ -427,10 +427,22 @@ def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
         raise _corrupt(f"{size - prev_end} unexpected bytes after the last section")
 
     if verify:
-        with memoryview(mm) as whole:
-            for info, digest in zip(sections, digests, strict=True):
-                with whole[info.offset : info.offset + info.size] as payload:
-                    ok = hashlib.sha256(payload).digest() == digest
-                if not ok:
-                    raise _checksum(f"section '{info.name}'")
+        # Hash with plain reads, not through the mapping: touching mapped pages would make
+        # every weight resident in this process before the first run.
+        try:
+            with open(path, "rb") as f:
+                for info, digest in zip(sections, digests, strict=True):
+                    h = hashlib.sha256()
+                    f.seek(info.offset)
+                    left = info.size
+                    while left:
+                        chunk = f.read(min(left, 8 << 20))
+                        if not chunk:
+                            raise _corrupt(f"section '{info.name}' ends early")
+                        h.update(chunk)
+                        left -= len(chunk)
+                    if h.digest() != digest:
+                        raise _checksum(f"section '{info.name}'")
+        except OSError as e:
+            raise _cannot_open(path, e.strerror or str(e)) from e
     return sections

@@ -446,15 +446,31 @@ def _matmul(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(_matmul_shape(ins[0].shape, ins[1].shape), _same_dtype(ins))]
 
 
-@op("linear", ("x", "weight", "bias?"), kernel=lambda xs, a: F.linear(*xs), flops=_matmul_flops, unit="cube",
-    doc="y = x @ weight^T + bias, weight stored [out, in] as in torch")
+def _linear_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, w = xs[0], xs[1]
+    y = F.linear(x, w) if a["weight_layout"] == "nk" else torch.matmul(x, w)
+    return y + xs[2] if len(xs) > 2 else y
+
+
+def linear_nk(w: TensorType, layout: str) -> tuple[int, int]:
+    """(out features, in features) of a linear weight stored in `layout`."""
+    return (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
+
+
+@op("linear", ("x", "weight", "bias?"), {"weight_layout": Attr("str", "nk")}, kernel=_linear_kernel,
+    flops=_matmul_flops, unit="cube",
+    doc="y = x @ W + bias; the weight is stored [out, in] (layout nk, torch's) or [in, out] (layout kn, "
+        "ONNX MatMul's), so no weight is ever transposed")
 def _linear(ins: T, attrs: A) -> list[TensorType]:
     x, w = ins[0], ins[1]
-    if w.rank != 2 or x.rank < 1 or x.shape[-1] != w.shape[1]:
+    if attrs["weight_layout"] not in ("nk", "kn") or w.rank != 2:
+        raise ShapeError(f"linear weight {w} with layout {attrs['weight_layout']!r}")
+    n, k = linear_nk(w, attrs["weight_layout"])
+    if x.rank < 1 or x.shape[-1] != k:
         raise ShapeError(f"linear weight {w} does not fit input {x}")
-    if len(ins) == 3 and ins[2].shape != (w.shape[0],):
+    if len(ins) == 3 and ins[2].shape != (n,):
         raise ShapeError(f"linear bias {ins[2]} does not fit weight {w}")
-    return [TensorType(x.shape[:-1] + (w.shape[0],), _same_dtype(ins))]
+    return [TensorType(x.shape[:-1] + (n,), _same_dtype(ins))]
 
 
 def _einsum_meta(equation: str, ins: T) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from npuc.ir import DType, Graph, Node, TensorSource, TensorType, Value, get_op
+from npuc.ir.ops import linear_nk
 from npuc.passes.manager import Pass, PassResult
 
 log = logging.getLogger("npuc")
@@ -112,16 +113,17 @@ class TargetAlignment(Pass):
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         if x.type.rank < 2:
             return False
-        n, k = w.type.shape
+        layout = get_op("linear").full_attrs(node.attrs)["weight_layout"]
+        n, k = linear_nk(w.type, layout)
         m = x.type.shape[-2]
         n2, k2, m2 = _up(n, self.tile), _up(k, self.tile), _up(m, self.tile)
         if (n2, k2, m2) == (n, k, m):
             return False
         e = _Emit(g, node)
         xp = e.pad(x, {-2: m2, -1: k2})
-        wp = e.pad(w, {0: n2, 1: k2})
+        wp = e.pad(w, {0: n2, 1: k2} if layout == "nk" else {0: k2, 1: n2})
         ins = [xp, wp] + ([e.pad(bias, {0: n2})] if bias is not None else [])
-        y = e.op("linear", ins, label="aligned")
+        y = e.op("linear", ins, dict(node.attrs), label="aligned")
         self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
         return True
 

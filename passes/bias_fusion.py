@@ -35,7 +35,7 @@ def _rewrite(b: Builder, m: Match) -> Value:
     bias = m["b"]
     if bias.type.shape != (bias.type.numel,):
         bias = b.op("reshape", [bias], {"shape": (bias.type.numel,)}, name=f"{bias.name}_flat")
-    return b.op("linear", [m["x"], m["w"], bias])
+    return b.op("linear", [m["x"], m["w"], bias], dict(m.node("y").attrs))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ fusions downstream need to know only that form.
     %y = cast[dtype=f32](%x : f32)       ->  %x
     %y = reshape(reshape(%x))            ->  %y = reshape(%x)
     %y = reshape(%x)        (same shape) ->  %x
-    %y = matmul(%x, @w : [k, n])         ->  %y = linear(%x, @w_t : [n, k])   (the weight transposed lazily)
+    %y = matmul(%x, @w : [k, n])         ->  %y = linear[weight_layout="kn"](%x, @w)  (the weight as stored)
 
 Left alone: a division by a constant with more than one element (x / c is not
 x * (1/c) bit for bit when c varies, and the fusions do not need it), and a
@@ -22,25 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from npuc.ir import TensorType, Value
+from npuc.ir import Value
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, const, op, var
-
-
-class TransposedSource:
-    """A 2-D weight read from its source and transposed only when the backend writes it."""
-
-    in_memory = False
-
-    def __init__(self, base: object) -> None:
-        self.base = base
-
-    def load(self) -> torch.Tensor:
-        return self.base.load().t().contiguous()  # type: ignore[attr-defined]
-
-    def describe(self) -> str:
-        return f"transpose of {self.base.describe()}"  # type: ignore[attr-defined]
 
 
 def _is_float(v: Value) -> bool:
@@ -58,10 +41,7 @@ def _div_by_const(b: Builder, m: Match) -> Value:
 
 
 def _matmul_to_linear(b: Builder, m: Match) -> Value:
-    w = m["w"]
-    k, n = w.type.shape
-    wt = b.g.add_constant(f"{w.name}_t", TensorType((n, k), w.type.dtype, w.type.format), TransposedSource(w.const))
-    return b.op("linear", [m["x"], wt])
+    return b.op("linear", [m["x"], m["w"]], {"weight_layout": "kn"})
 
 
 @dataclass(frozen=True)

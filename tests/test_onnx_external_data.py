@@ -73,6 +73,25 @@ def test_external_data_larger_than_the_budget(tmp_path: Path) -> None:
     # Holding the weights would cost >= WEIGHT_BYTES (512 MiB); streaming costs a few chunks.
     assert extra < WEIGHT_BYTES // 8, f"compiling added {extra / 2**20:.0f} MiB of peak RSS"
 
+    # Loading maps the weights: resident memory grows by far less than their size before the first run.
+    load = textwrap.dedent("""
+        import json, sys
+        import npuc
+        def rss_kb():  # the current resident set, not the peak: imports may have peaked higher
+            with open("/proc/self/status") as f:
+                return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+        from npuc.runtime import Session
+        before = rss_kb()
+        sess = npuc.load(sys.argv[1])
+        print(json.dumps({"grew_kb": rss_kb() - before}))
+    """)
+    r = subprocess.run([sys.executable, "-c", load, str(tmp_path / "big_out.om")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    grew = json.loads(r.stdout.strip().splitlines()[-1])["grew_kb"] * 1024
+    assert grew < 100 * 2**20, f"loading a {WEIGHT_BYTES / 2**20:.0f} MiB .om added {grew / 2**20:.0f} MiB of RSS"
+    print(f"loading the .om added {grew / 2**20:.1f} MiB of peak RSS")
+
     import npuc
 
     sess = npuc.load(str(tmp_path / "big_out.om"))
