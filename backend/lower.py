@@ -9,7 +9,6 @@ outputs live to the end so the caller can read them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +164,3 @@ def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]:
         cursor = off + n
     if cursor != low.weights_bytes:
         raise InternalError("weights section size mismatch")
-
-
-def model_hash(low: Lowered) -> str:
-    return hashlib.sha256(low.model.SerializeToString(deterministic=True)).hexdigest()

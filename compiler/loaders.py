@@ -9,7 +9,6 @@ a `SafetensorsSource` that reads its tensor only when the backend writes it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import struct
 from collections.abc import Iterator
@@ -241,8 +240,3 @@ def declared_inputs(loaded: LoadedModel) -> dict[str, DeclaredInput]:
         required = p.default is inspect.Parameter.empty or (loaded.kind == "hf" and name == "input_ids")
         out[name] = DeclaredInput(dtype, None, required)
     return out
-
-
-def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)

@@ -28,7 +28,7 @@ that differ (not a rotate_half RoPE), and partial rotary through slices of x.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,10 +115,15 @@ def _half_check(m: Match) -> str | None:
     return _check_tables(m, half_width=False)
 
 
-def _half_rewrite(b: Builder, m: Match) -> Value:
-    x = m["x"]
-    tables = _tables(b, m, x, half_width=False)
-    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "half"})
+def _lut(layout: str, half_width: bool) -> Callable[[Builder, Match], Value]:
+    """The rewrite of a matched RoPE: rope_lut over the tables, at positions 0..seq-1."""
+
+    def rewrite(b: Builder, m: Match) -> Value:
+        x = m["x"]
+        tables = _tables(b, m, x, half_width)
+        return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": layout})
+
+    return rewrite
 
 
 def _half_pattern() -> object:
@@ -136,12 +141,6 @@ def _pairs_check(m: Match) -> str | None:
     if (ea["start"], ea["step"], oa["start"], oa["step"]) != (0, 2, 1, 2):
         return "the slices are not the even/odd elements"
     return _check_tables(m, half_width=True)
-
-
-def _pairs_rewrite(b: Builder, m: Match) -> Value:
-    x = m["x"]
-    tables = _tables(b, m, x, half_width=True)
-    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "deinterleave"})
 
 
 def _pairs_pattern() -> object:
@@ -185,8 +184,8 @@ class RoPEFusion(RewritePass):
         onnx3 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), bind="rot")
         onnx4 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), var("pos"), bind="rot")
         return [
-            Rule("rope-half", _half_pattern(), _half_rewrite, _half_check),
-            Rule("rope-deinterleave", _pairs_pattern(), _pairs_rewrite, _pairs_check),
+            Rule("rope-half", _half_pattern(), _lut("half", half_width=False), _half_check),
+            Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", half_width=True), _pairs_check),
             Rule("rope-onnx", onnx3, _onnx_rewrite, _onnx_check),
             Rule("rope-onnx-positions", onnx4, _onnx_rewrite, _onnx_check),
         ]
