@@ -1,25 +1,32 @@
-"""Lowering: an optimised `Graph` to the `.om` model definition.
+"""Lowering: optimised `Graph`s (one per program) to the `.om` model definition.
 
-The schedule is the graph's node order. Every non-constant value gets a tensor
-descriptor in the arena region at the offset the memory planner chose; every
-constant gets one in the weights region. Lifetimes: graph inputs are live from
-step 0, node i's outputs from step i+1, and each value until its last use; graph
-outputs live to the end so the caller can read them.
+The schedule is each graph's node order. Regions:
+- weights: every constant, once for all programs (shared by name when the same file
+  tensor, folding or bytes), read-only and memory-mapped;
+- state: the KV cache, once for all programs, persistent across runs;
+- arena: each program's inputs, outputs and intermediates at the offsets the memory
+  planner chose; programs never run at once, so the runtime allocates the largest.
+A view (reshape) shares its operand's buffer and an in-place op (kv_write) its state's,
+so one buffer's lifetime covers every value in it: from the step that defines the
+first to the last use of any, or the end for graph outputs. An op whose out-kernel
+needs scratch gets a workspace buffer live only at its own step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from npuc.backend.memory_plan import Buffer, Plan, plan_memory, validate_plan
+from npuc.backend.memory_plan import Buffer, Plan, align_up, plan_memory, validate_plan
 from npuc.backend.om_schema import AttrValue, ModelDef
 from npuc.backend.targets import Target
 from npuc.errors import InternalError
 from npuc.ir import DType, Graph, Value, get_op
+from npuc.ir.evaluate import LazyFoldSource
 
 
 @dataclass
@@ -28,7 +35,17 @@ class Lowered:
     weights: list[Value]  # in weights-section order
     weight_offsets: list[int]
     weights_bytes: int
-    plan: Plan
+    plans: list[Plan]  # one per program
+    state_bytes: int = 0
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[0]
+
+    @property
+    def arena_bytes(self) -> int:
+        """The runtime allocates one arena, for the largest program."""
+        return max(p.arena_bytes for p in self.plans)
 
 
 def _attr_value(v: Any) -> Any:
@@ -55,65 +72,183 @@ def _attr_value(v: Any) -> Any:
     raise InternalError(f"attribute value {v!r} has no .om encoding")
 
 
+# Ops whose output is its operand's bytes under another shape: the output aliases the
+# operand's buffer (no copy, one lifetime covering both).
+VIEW_OPS = frozenset({"reshape"})
+
+
+def buffer_roots(g: Graph) -> dict[int, Value]:
+    """Value id -> the value whose buffer it occupies: a view's base, an in-place op's
+    operand, or itself."""
+    root: dict[int, Value] = {}
+    for v in (*g.inputs, *g.states.values()):
+        root[id(v)] = v
+    for node in g.nodes:
+        od = get_op(node.op)
+        src = node.inputs[od.inplace] if od.inplace is not None and node.inputs[od.inplace].state else None
+        if src is None and node.op in VIEW_OPS and not node.inputs[0].is_const:
+            src = node.inputs[0]
+        for o in node.outputs:
+            root[id(o)] = root[id(src)] if src is not None and o.index == 0 else o
+    return root
+
+
 def lifetimes(g: Graph) -> dict[int, tuple[Value, int, int]]:
-    """Value id -> (value, first step, last step) for everything that lives in the arena."""
+    """Buffer (root value) id -> (root, first step, last step) for everything in the arena.
+
+    Graph inputs are live from step 0, node i's outputs from step i+1; a buffer lives
+    until the last use of any value in it, and to the end if any is a graph output.
+    States live in their own region and are not planned here."""
     end = len(g.nodes) + 1
+    roots = buffer_roots(g)
     live: dict[int, tuple[Value, int, int]] = {}
+
+    def touch(v: Value, step: int) -> None:
+        r = roots.get(id(v))
+        if r is None or r.state:
+            return
+        if id(r) not in live:
+            live[id(r)] = (r, step, step)
+        val, s, e = live[id(r)]
+        live[id(r)] = (val, s, max(e, step))
+
     for v in g.inputs:
-        live[id(v)] = (v, 0, 0)
+        touch(v, 0)
     for i, node in enumerate(g.nodes, start=1):
         for v in node.inputs:
-            if id(v) in live:
-                val, s, _ = live[id(v)]
-                live[id(v)] = (val, s, i)
+            touch(v, i)
         for o in node.outputs:
-            live[id(o)] = (o, i, i)
+            touch(o, i)
     for v in g.outputs:
-        if id(v) in live:
-            live[id(v)] = (v, live[id(v)][1], end)
+        touch(v, end)
     return live
 
 
-def lower(g: Graph, target: Target, metadata: dict[str, str] | None = None) -> Lowered:
+def _const_fingerprint(src: Any) -> Any:
+    """What a constant is made of, to share a weight between programs: the same file
+    tensor, the same folding of the same sources, or the same bytes."""
+    if isinstance(src, LazyFoldSource):
+        return ("fold", src.op, repr(sorted(src.attrs.items())), src.index,
+                tuple(_const_fingerprint(s) for s in src.sources))
+    if getattr(src, "in_memory", True):
+        t = src.load().contiguous()
+        return ("data", str(t.dtype), tuple(t.shape),
+                hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+    return ("file", src.describe())
+
+
+def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, str] | None = None) -> Lowered:
+    """One ModelDef for one or more programs (prefill and decode): weights and states
+    are shared between them by name; each program has its own memory plan."""
     import npuc
 
+    gs = [graphs] if isinstance(graphs, Graph) else list(graphs)
     model = ModelDef(producer="npuc", producer_version=npuc.__version__, target=target.name)
-    index: dict[int, int] = {}
 
-    # Weights: every constant, in graph order, each aligned.
+    # Weights: every constant of every program, once, each aligned.
     weights: list[Value] = []
     offsets: list[int] = []
+    by_name: dict[str, list[tuple[int, Any, Value]]] = {}
+    names: set[str] = set()
     cursor = 0
-    for c in g.constants.values():
-        cursor = -(-cursor // target.weight_alignment) * target.weight_alignment
-        index[id(c)] = len(model.tensors)
-        model.tensors.add(name=c.name, dtype=c.type.dtype.value, shape=list(c.type.shape), region="weights",
-                          offset=cursor, nbytes=c.type.nbytes, format=c.type.format)
-        weights.append(c)
-        offsets.append(cursor)
-        cursor += c.type.nbytes
+    index: list[dict[int, int]] = [{} for _ in gs]
+    for pi, g in enumerate(gs):
+        for c in g.constants.values():
+            fp = _const_fingerprint(c.const) if len(gs) > 1 else None
+            same = [t for t, f, v in by_name.get(c.name, []) if v.type == c.type and f == fp]
+            if same:
+                index[pi][id(c)] = same[0]
+                continue
+            name, n = c.name, 0
+            while name in names:  # same name, other data: the later program's copy is renamed
+                n += 1
+                name = f"{g.name}.{c.name}" + (f".{n}" if n > 1 else "")
+            names.add(name)
+            cursor = -(-cursor // target.weight_alignment) * target.weight_alignment
+            index[pi][id(c)] = len(model.tensors)
+            by_name.setdefault(c.name, []).append((len(model.tensors), fp, c))
+            model.tensors.add(name=name, dtype=c.type.dtype.value, shape=list(c.type.shape), region="weights",
+                              offset=cursor, nbytes=c.type.nbytes, format=c.type.format)
+            weights.append(c)
+            offsets.append(cursor)
+            cursor += c.type.nbytes
     weights_bytes = cursor
 
+    # States: one region, shared by every program.
+    states: dict[str, tuple[int, Value]] = {}
+    state_cursor = 0
+    for pi, g in enumerate(gs):
+        for st in g.states.values():
+            if st.name in states:
+                if states[st.name][1].type != st.type:
+                    raise InternalError(f"state {st.name} is {st.type} in {g.name}, "
+                                        f"{states[st.name][1].type} elsewhere")
+            else:
+                state_cursor = align_up(state_cursor, target.alignment)
+                states[st.name] = (len(model.tensors), st)
+                model.tensors.add(name=st.name, dtype=st.type.dtype.value, shape=list(st.type.shape), region="state",
+                                  offset=state_cursor, nbytes=st.type.nbytes, format=st.type.format)
+                state_cursor += st.type.nbytes
+            index[pi][id(st)] = states[st.name][0]
+
+    plans = []
+    for pi, g in enumerate(gs):
+        plans.append(_lower_program(model, g, index[pi], target))
+    model.weights_bytes = weights_bytes
+    model.state_bytes = state_cursor
+    for k in sorted(metadata or {}):
+        model.metadata.add(key=k, value=(metadata or {})[k])
+    return Lowered(model, weights, offsets, weights_bytes, plans, state_cursor)
+
+
+def _lower_program(model: Any, g: Graph, index: dict[int, int], target: Target) -> Plan:
+    roots = buffer_roots(g)
+    for name, u in g.state_updates.items():  # written in place, so the update is the state's own buffer
+        if roots.get(id(u)) is not g.states[name] or len(g.states[name].uses) != 1:
+            raise InternalError(f"state {name} is not updated in place by its only reader")
     live = lifetimes(g)
     buffers = []
-    for vid, (v, s, e) in live.items():
-        index[vid] = len(model.tensors)
-        buffers.append(Buffer(index[vid], max(v.type.nbytes, 1), s, e))
+    for rid, (v, s, e) in live.items():
+        index[rid] = len(model.tensors)
+        buffers.append(Buffer(index[rid], max(v.type.nbytes, 1), s, e))
         model.tensors.add(name=v.name, dtype=v.type.dtype.value, shape=list(v.type.shape), region="arena",
                           nbytes=v.type.nbytes, format=v.type.format)
+    # Scratch for out-kernels: planned like any buffer, live only at its op's step.
+    workspaces: dict[int, int] = {}
+    for step, node in enumerate(g.nodes, start=1):
+        nbytes = get_op(node.op).workspace_bytes([v.type for v in node.inputs], [v.type for v in node.outputs],
+                                                 node.attrs)
+        if nbytes:
+            workspaces[id(node)] = len(model.tensors)
+            buffers.append(Buffer(len(model.tensors), nbytes, step, step))
+            model.tensors.add(name=f"{node.name}.workspace", dtype=DType.u8.value, shape=[nbytes], region="arena",
+                              nbytes=nbytes)
     plan = plan_memory(buffers, target.alignment)
     validate_plan(buffers, plan)
     for b in buffers:
         model.tensors[b.id].offset = plan.offset(b.id)
+    # A view or in-place result: its own descriptor (name, shape) at its root's place.
+    for v in g.values():
+        r = roots.get(id(v))
+        if r is None or r is v or id(v) in index:
+            continue
+        base = model.tensors[index[id(r)]]
+        index[id(v)] = len(model.tensors)
+        model.tensors.add(name=v.name, dtype=v.type.dtype.value, shape=list(v.type.shape), region=base.region,
+                          offset=base.offset, nbytes=v.type.nbytes, format=v.type.format, base=index[id(r)])
 
     prog = model.programs.add(name=g.name)
     prog.inputs.extend(index[id(v)] for v in g.inputs)
     prog.outputs.extend(index[id(v)] for v in g.outputs)
     for node in g.nodes:
         od = get_op(node.op)
-        op = prog.ops.add(op=node.op, name=node.name, unit=od.unit)
+        ins, outs = [v.type for v in node.inputs], [v.type for v in node.outputs]
+        op = prog.ops.add(op=node.op, name=node.name, unit=od.unit, flops=int(od.flops(ins, outs, node.attrs)),
+                          bytes=od.bytes(ins, outs))
         op.inputs.extend(index[id(v)] for v in node.inputs)
         op.outputs.extend(index[id(v)] for v in node.outputs)
+        if id(node) in workspaces:
+            op.workspace = workspaces[id(node)]
         for k in sorted(node.attrs):
             op.attrs.add(name=k, value=_attr_value(node.attrs[k]))
     pm = prog.plan
@@ -122,10 +257,7 @@ def lower(g: Graph, target: Target, metadata: dict[str, str] | None = None) -> L
     pm.lower_bound_bytes = plan.lower_bound
     for b in buffers:
         pm.buffers.add(tensor=b.id, first_step=b.start, last_step=b.end)
-    model.weights_bytes = weights_bytes
-    for k in sorted(metadata or {}):
-        model.metadata.add(key=k, value=(metadata or {})[k])
-    return Lowered(model, weights, offsets, weights_bytes, plan)
+    return plan
 
 
 def _weight_bytes(v: Value) -> Iterator[bytes | memoryview]:

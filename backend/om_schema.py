@@ -34,10 +34,11 @@ _MESSAGES: list[tuple[str, list[tuple[str, int, int, int, str | None]]]] = [
         ("name", 1, _T.TYPE_STRING, _OPT, None),
         ("dtype", 2, _T.TYPE_STRING, _OPT, None),
         ("shape", 3, _T.TYPE_INT64, _REP, None),
-        ("region", 4, _T.TYPE_STRING, _OPT, None),  # "arena" | "weights"
+        ("region", 4, _T.TYPE_STRING, _OPT, None),  # "arena" | "weights" | "state"
         ("offset", 5, _T.TYPE_UINT64, _OPT, None),
         ("nbytes", 6, _T.TYPE_UINT64, _OPT, None),
         ("format", 7, _T.TYPE_STRING, _OPT, None),
+        ("base", 8, _T.TYPE_INT32, _OPT, None),  # a view or in-place result: the tensor whose buffer it shares
     ]),
     ("Op", [
         ("op", 1, _T.TYPE_STRING, _OPT, None),
@@ -45,7 +46,10 @@ _MESSAGES: list[tuple[str, list[tuple[str, int, int, int, str | None]]]] = [
         ("inputs", 3, _T.TYPE_INT32, _REP, None),
         ("outputs", 4, _T.TYPE_INT32, _REP, None),
         ("attrs", 5, _T.TYPE_MESSAGE, _REP, "Attr"),
-        ("unit", 6, _T.TYPE_STRING, _OPT, None),
+        ("unit", 6, _T.TYPE_STRING, _OPT, None),  # stored in the tasks section
+        ("flops", 7, _T.TYPE_UINT64, _OPT, None),  # stored in the tasks section
+        ("bytes", 8, _T.TYPE_UINT64, _OPT, None),  # stored in the tasks section
+        ("workspace", 9, _T.TYPE_INT32, _OPT, None),  # a u8 arena tensor live only during this op
     ]),
     ("Buffer", [
         ("tensor", 1, _T.TYPE_INT32, _OPT, None),
@@ -57,13 +61,14 @@ _MESSAGES: list[tuple[str, list[tuple[str, int, int, int, str | None]]]] = [
         ("arena_bytes", 2, _T.TYPE_UINT64, _OPT, None),
         ("lower_bound_bytes", 3, _T.TYPE_UINT64, _OPT, None),
         ("buffers", 4, _T.TYPE_MESSAGE, _REP, "Buffer"),
+        ("program", 5, _T.TYPE_STRING, _OPT, None),
     ]),
     ("Program", [
         ("name", 1, _T.TYPE_STRING, _OPT, None),
         ("inputs", 2, _T.TYPE_INT32, _REP, None),
         ("outputs", 3, _T.TYPE_INT32, _REP, None),
         ("ops", 4, _T.TYPE_MESSAGE, _REP, "Op"),
-        ("plan", 5, _T.TYPE_MESSAGE, _OPT, "MemoryPlan"),
+        ("plan", 5, _T.TYPE_MESSAGE, _OPT, "MemoryPlan"),  # stored in the plan section
     ]),
     ("MetaEntry", [("key", 1, _T.TYPE_STRING, _OPT, None), ("value", 2, _T.TYPE_STRING, _OPT, None)]),
     ("ModelDef", [
@@ -73,8 +78,20 @@ _MESSAGES: list[tuple[str, list[tuple[str, int, int, int, str | None]]]] = [
         ("tensors", 4, _T.TYPE_MESSAGE, _REP, "TensorDesc"),
         ("programs", 5, _T.TYPE_MESSAGE, _REP, "Program"),
         ("weights_bytes", 6, _T.TYPE_UINT64, _OPT, None),
-        ("metadata", 7, _T.TYPE_MESSAGE, _REP, "MetaEntry"),
+        ("metadata", 7, _T.TYPE_MESSAGE, _REP, "MetaEntry"),  # stored in the metadata section
+        ("state_bytes", 8, _T.TYPE_UINT64, _OPT, None),
     ]),
+    # The sections besides `modeldef` (see backend/om_sections.py).
+    ("Plans", [("plans", 1, _T.TYPE_MESSAGE, _REP, "MemoryPlan")]),
+    ("Task", [
+        ("op", 1, _T.TYPE_INT32, _OPT, None),
+        ("unit", 2, _T.TYPE_STRING, _OPT, None),
+        ("flops", 3, _T.TYPE_UINT64, _OPT, None),
+        ("bytes", 4, _T.TYPE_UINT64, _OPT, None),
+    ]),
+    ("ProgramTasks", [("program", 1, _T.TYPE_STRING, _OPT, None), ("tasks", 2, _T.TYPE_MESSAGE, _REP, "Task")]),
+    ("Tasks", [("programs", 1, _T.TYPE_MESSAGE, _REP, "ProgramTasks")]),
+    ("Metadata", [("entries", 1, _T.TYPE_MESSAGE, _REP, "MetaEntry")]),
 ]
 
 
@@ -104,6 +121,9 @@ TensorDesc = _CLASSES["TensorDesc"]
 Program = _CLASSES["Program"]
 Op = _CLASSES["Op"]
 AttrValue = _CLASSES["AttrValue"]
+Plans = _CLASSES["Plans"]
+Tasks = _CLASSES["Tasks"]
+Metadata = _CLASSES["Metadata"]
 
 
 def proto_text() -> str:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from npuc.backend.lower import Lowered, weight_chunks
 from npuc.backend.om_format import WEIGHTS_ALIGN, OmWriter
+from npuc.backend.om_sections import split_model
 
-MODELDEF = "modeldef"
 WEIGHTS = "weights"
 
 
-def write_om(low: Lowered, path: str) -> None:
-    """Atomically write `path`: a failure leaves no partial file and any older file intact."""
+def write_om(low: Lowered, path: str, extra: Mapping[str, bytes] | None = None) -> None:
+    """Atomically write `path`: a failure leaves no partial file and any older file intact.
+    `extra` sections (a tokenizer) go between the model definition and the weights."""
     with OmWriter(path) as w:
-        w.add_section(MODELDEF, low.model.SerializeToString(deterministic=True))
+        for name, data in split_model(low.model).items():
+            w.add_section(name, data)
+        for name in sorted(extra or {}):
+            w.add_section(name, (extra or {})[name])
         w.add_streamed_section(WEIGHTS, weight_chunks(low), low.weights_bytes, WEIGHTS_ALIGN)

@@ -2,6 +2,8 @@
 
     npuc compile MODEL --input_shape "input_ids:1,16" --output build/model   # -> build/model.om
     npuc compile MODEL ... --dump-ir-after=all --dump-dir ir/ --time-passes --fusion-report fusion.json
+    npuc compile HF_DIR --input_shape "input_ids:1,16" --max_seq_len 256 --output build/lm
+    npuc generate build/lm.om --prompt-ids 1,2,3 --max-new-tokens 32    # or --prompt TEXT
     npuc run build/model.om --input input_ids=ids.npy --output-dir out/
     npuc dump build/model.om                 # --json: the whole model definition
     npuc info build/model.om                 # sizes, op counts, metadata (--json)
@@ -78,12 +80,16 @@ def main() -> None:
 @click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
               help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
                    "allow_mix_precision_bf16.")
+@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
+              help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
+                   "(prefill + decode in one .om, for `npuc generate`).")
 @click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
               help="A file of op (node) names, one a line, that keep their original precision.")
 @handle_errors
 def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str | None,  # noqa: A001
             soc_version: str | None, debug: bool, dump_ir_after: str | None, dump_dir: str | None,
-            time_passes: bool, fusion_report: str | None, precision_mode: str, keep_dtype: str | None) -> None:
+            time_passes: bool, fusion_report: str | None, precision_mode: str, keep_dtype: str | None,
+            max_seq_len: int | None) -> None:
     """Compile MODEL (.onnx, .pt2 or Hugging Face checkpoint folder) to a .om file."""
     _quiet_libraries()
     source = model or model_opt
@@ -96,7 +102,8 @@ def compile(model: str | None, model_opt: str | None, input_shape: str | None, o
         output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
     path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug,
                          dump_ir_after=dump_ir_after, dump_dir=dump_dir, time_passes=time_passes,
-                         fusion_report=fusion_report, precision_mode=precision_mode, keep_dtype=keep_dtype)
+                         fusion_report=fusion_report, precision_mode=precision_mode, keep_dtype=keep_dtype,
+                         max_seq_len=max_seq_len)
     click.echo(f"wrote {path}")
 
 
@@ -115,9 +122,10 @@ def _parse_input_flag(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--input", "inputs", multiple=True, help="NAME=FILE.npy, once per model input.")
 @click.option("--output-dir", "--output_dir", "output_dir", required=True, help="Writes <output name>.npy here.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--program", default=None, help="Which program to run (prefill or decode); the first by default.")
 @click.option("--debug", is_flag=True)
 @handle_errors
-def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: bool) -> None:
+def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program: str | None, debug: bool) -> None:
     """Run a compiled .om on .npy inputs."""
     import numpy as np
 
@@ -132,13 +140,59 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, debug: b
         except (OSError, ValueError) as e:
             raise NpucError("NPUC-E0401", f"cannot read input {name!r} from {path!r}: {e}",
                             "inputs are .npy files written by numpy.save", exit_code=EXIT_IO) from None
-    outs = sess.run(feeds)
+    outs = sess.run(feeds, program)
     os.makedirs(output_dir, exist_ok=True)
     for name, t in outs.items():
         fname = "".join(c if c.isalnum() or c in "._-" else "_" for c in name) + ".npy"
         np.save(os.path.join(output_dir, fname), t.cpu().numpy())
         shape = ",".join(map(str, t.shape))
         click.echo(f"{name}: {DType.from_torch(t.dtype)}[{shape}] -> {os.path.join(output_dir, fname)}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 0 for i in ids):
+        raise NpucError("NPUC-E0125", f"--prompt-ids {text!r} is not a list of token ids",
+                        "write --prompt-ids 1,2,3", exit_code=EXIT_USAGE)
+    return ids
+
+
+@main.command()
+@click.argument("om")
+@click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...", help="The prompt as token ids.")
+@click.option("--prompt", default=None, metavar="TEXT", help="The prompt as text (the .om must hold a tokenizer).")
+@click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=click.IntRange(min=1), default=32,
+              show_default=True)
+@click.option("--ignore-eos", "--ignore_eos", "ignore_eos", is_flag=True, help="Do not stop at end-of-sequence.")
+@click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def generate(om: str, prompt_ids: str | None, prompt: str | None, max_new_tokens: int, ignore_eos: bool,
+             device: str, debug: bool) -> None:
+    """Greedy decoding with a .om compiled with --max_seq_len: prints the new token ids
+    (and the text, with --prompt)."""
+    from npuc.runtime import Session
+    from npuc.runtime.generate import load_tokenizer, stream
+
+    if (prompt_ids is None) == (prompt is None):
+        raise NpucError("NPUC-E0125", "give exactly one of --prompt-ids and --prompt",
+                        "npuc generate model.om --prompt-ids 1,2,3 --max-new-tokens 32", exit_code=EXIT_USAGE)
+    sess = Session.load(om, device=device)
+    if prompt is not None:
+        encode, decode = load_tokenizer(sess)
+        ids = encode(prompt)
+        out = list(stream(sess, ids, max_new_tokens, ignore_eos))
+        click.echo(" ".join(map(str, out)))
+        click.echo(decode(out))
+        return
+    ids = _parse_ids(prompt_ids or "")
+    tokens = []
+    for t in stream(sess, ids, max_new_tokens, ignore_eos):
+        tokens.append(t)
+    click.echo(" ".join(map(str, tokens)))
 
 
 @main.command()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -12,6 +16,7 @@ from typing import Any
 import torch
 
 from npuc.backend.lower import lower
+from npuc.backend.memory_plan import align_up
 from npuc.backend.targets import check_dtypes, check_fits, get_target
 from npuc.backend.writer import write_om
 from npuc.compiler import instrument
@@ -20,7 +25,8 @@ from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph
-from npuc.passes.pipeline import default_pipeline
+from npuc.passes.kv_cache import KVCache
+from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
 
 log = logging.getLogger("npuc")
@@ -31,8 +37,19 @@ def _export(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]]) -> torch.ex
         return _specialise_program(loaded.program, shapes)
     kwargs: dict[str, Any] = {
         name: torch.zeros(shape, dtype=loaded.input_dtypes.get(name, torch.float32)) for name, shape in shapes.items()}
-    kwargs.update(loaded.fixed_kwargs)
-    return _run_export(loaded.module, (), kwargs)
+    bound = {k: v for k, v in loaded.fixed_kwargs.items() if isinstance(v, torch.Tensor)}
+    kwargs.update({k: v for k, v in loaded.fixed_kwargs.items() if k not in bound})
+    if not bound:
+        return _run_export(loaded.module, (), kwargs)
+    # A tensor kwarg would become a graph input; bound into forward it is a constant
+    # the graph folds (the decode trace's position_ids). Bound on the instance, not
+    # by a wrapper module, so parameter names keep matching the checkpoint.
+    module = loaded.module
+    module.forward = functools.partial(type(module).forward.__get__(module), **bound)
+    try:
+        return _run_export(module, (), kwargs)
+    finally:
+        del module.forward
 
 
 def _specialise_program(ep: torch.export.ExportedProgram, shapes: dict[str, tuple[int, ...]]
@@ -83,9 +100,10 @@ class Source:
     files: list[str] = field(default_factory=list)
 
 
-def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, Any] | None = None
-                ) -> tuple[Graph, Source]:
-    """Frontend only: the imported (unoptimised) graph, and what it was read from."""
+def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, Any] | None = None,
+                fixed_kwargs: Mapping[str, Any] | None = None) -> tuple[Graph, Source]:
+    """Frontend only: the imported (unoptimised) graph, and what it was read from.
+    `fixed_kwargs` are passed to a torch model's forward as constants (not inputs)."""
     if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
         from npuc.compiler.onnx_frontend import import_onnx, load_onnx
 
@@ -96,6 +114,12 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
         shapes = resolve_input_shapes(input_shape, onnx_model.inputs)
         return import_onnx(onnx_model, shapes), Source("onnx", onnx_model.files)
     loaded = load_source(model)
+    if fixed_kwargs:
+        if loaded.program is not None:
+            raise NpucError("NPUC-E0123", f"cannot compile a decode program from {loaded.kind!r} sources: the "
+                            "program is traced already and cannot be traced one token further on",
+                            "compile from the Hugging Face folder or the nn.Module", exit_code=EXIT_UNSUPPORTED)
+        loaded.fixed_kwargs.update(fixed_kwargs)
     for name, dt in (input_dtypes or {}).items():
         loaded.input_dtypes[name] = _torch_dtype(dt)
     shapes = resolve_input_shapes(input_shape, declared_inputs(loaded))
@@ -112,6 +136,106 @@ def _torch_dtype(dt: Any) -> torch.dtype:
     except AttributeError:
         raise NpucError("NPUC-E0112", f"unknown input dtype {dt!r}", "use a name like int64, float32 or f16",
                         exit_code=EXIT_USAGE) from None
+
+
+DECODE_TRACE_POSITION = 1
+
+
+def source_hash(files: Sequence[str]) -> str:
+    """SHA-256 over the model's files (name, size, bytes), in name order: the same model
+    gives the same hash wherever it lies."""
+    h = hashlib.sha256()
+    for path in sorted(files, key=os.path.basename):
+        h.update(os.path.basename(path).encode() + b"\0" + os.path.getsize(path).to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
+    """What made this .om: the compiler, the target, the options, the input model's
+    hash. No paths or times, so the same inputs give the same bytes."""
+    import npuc
+
+    meta = {"compiler": f"npuc {npuc.__version__}", "target": target, "source_kind": source.kind}
+    if source.files:
+        meta["source_files"] = ",".join(sorted(os.path.basename(f) for f in source.files))
+        meta["source_sha256"] = source_hash(source.files)
+    for k, v in sorted(options.items()):
+        if v is None or v == frozenset():
+            continue
+        meta[f"option.{k}"] = ",".join(sorted(v)) if isinstance(v, frozenset) else str(v)
+    return meta
+
+
+def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None
+                   ) -> tuple[Graph, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The model traced for one token (the decode program's source), and the RoPE
+    tables of the model traced at max_seq_len (rows for every position to cache)."""
+    ints = [v for v in prefill.inputs if not v.type.dtype.is_float and v.type.rank == 2]
+    if len(prefill.inputs) != 1 or len(ints) != 1:
+        raise NpucError("NPUC-E0124", "--max_seq_len needs a model whose only input is the token ids [batch, seq]; "
+                        "this one takes " + ", ".join(f"{v.name}: {v.type}" for v in prefill.inputs),
+                        "export the model with input_ids alone (attention masks are built from positions)",
+                        exit_code=EXIT_USAGE)
+    ids = ints[0]
+    batch, seq = ids.type.shape
+    if max_seq_len <= max(seq, DECODE_TRACE_POSITION):
+        raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len} leaves no room to decode after the prefill "
+                        f"length {seq}", f"give --max_seq_len of at least {max(seq, DECODE_TRACE_POSITION) + 1}",
+                        exit_code=EXIT_USAGE)
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
+        raise NpucError("NPUC-E0123", "cannot compile a decode program from ONNX yet: its graph is fixed at the "
+                        "exported positions", "compile from the Hugging Face folder, or without --max_seq_len",
+                        exit_code=EXIT_UNSUPPORTED)
+    decode, _ = build_graph(model, {ids.name: (batch, 1)}, input_dtypes,
+                            {"position_ids": torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)})
+    full, _ = build_graph(model, {ids.name: (batch, max_seq_len)}, input_dtypes)
+    full = instrument.run_pipeline(full, rope_table_pipeline()).graph
+    tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for n in full.nodes:
+        if n.op != "rope_lut" or not all(v.is_const for v in n.inputs[2:]):
+            continue
+        c, s = (v.const.load() for v in n.inputs[2:] if v.const is not None)
+        if not any(torch.equal(c, tc) and torch.equal(s, ts) for tc, ts in tables):
+            tables.append((c, s))
+    return decode, tables
+
+
+def _generation_meta(model: Any, max_seq_len: int) -> dict[str, str]:
+    meta = {"programs": "prefill,decode", "max_seq_len": str(max_seq_len)}
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        for fname in ("generation_config.json", "config.json"):
+            try:
+                with open(os.path.join(model, fname)) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError):
+                continue
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                meta["eos_token_id"] = ",".join(str(int(i)) for i in ids)
+                break
+    return meta
+
+
+# What transformers' tokenizers are saved as; stored in the .om so `npuc generate --prompt` works.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _tokenizer_section(model: Any) -> dict[str, bytes]:
+    if not (isinstance(model, (str, os.PathLike)) and os.path.isdir(model)):
+        return {}
+    files = {}
+    for fname in TOKENIZER_FILES:
+        path = os.path.join(model, fname)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                files[fname] = base64.b64encode(f.read()).decode("ascii")
+    if "tokenizer.json" not in files and "tokenizer.model" not in files and "vocab.json" not in files:
+        return {}
+    return {"tokenizer": json.dumps(files, sort_keys=True).encode()}
 
 
 def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None) -> frozenset[str]:
@@ -143,6 +267,7 @@ def compile_model(
     fusion_report: str | os.PathLike[str] | None = None,
     precision_mode: str = "must_keep_origin_dtype",
     keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None,
+    max_seq_len: int | None = None,
 ) -> str:
     """Compile `model` to `<output>.om` and return that path.
 
@@ -152,10 +277,21 @@ def compile_model(
     what each rewrite rule matched, applied and refused (see compiler/instrument.py).
     `precision_mode` picks compute dtypes (passes/precision.py); `keep_dtype` names ops
     (a file with one node name a line, or a list) that keep their precision.
+    `max_seq_len` makes a causal LM's `.om` hold two programs over one KV cache of
+    that many positions: `prefill` (the --input_shape length, from position 0) and
+    `decode` (one token at the `position` input); see passes/kv_cache.py.
     Every option is checked before the model is read."""
     target = get_target(soc_version)
-    passes = default_pipeline(check_mode(precision_mode), read_keep_dtype(keep_dtype), target.matrix_tile,
-                              target.max_head_dim)
+    mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or max_seq_len < 1):
+        raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len!r} is not a positive integer",
+                        "give the longest sequence (prompt + generated tokens) to cache, e.g. --max_seq_len 2048",
+                        exit_code=EXIT_USAGE)
+    kv = None
+    if max_seq_len is not None:
+        kv = KVCache("prefill", align_up(max_seq_len, target.matrix_tile))
+    passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, kv)
     dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
     out_path = os.fspath(output)
     if not out_path.endswith(".om"):
@@ -165,20 +301,38 @@ def compile_model(
     if report_path is not None:
         instrument.ensure_parent(report_path, "--fusion-report")
     graph, source = build_graph(model, input_shape, input_dtypes)
+    meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
+                     max_seq_len=max_seq_len, soc_version=soc_version)
+    extra: dict[str, bytes] = {}
+    if max_seq_len is not None:
+        assert kv is not None
+        decode_graph, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
+        passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
+                                  KVCache("prefill", kv.cache_len, tables))
+        graph.name = "prefill"
+        decode_graph.name = "decode"
+        meta.update(_generation_meta(model, max_seq_len))
+        extra = _tokenizer_section(model)
     run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper)
+    graphs = [run.graph]
+    if max_seq_len is not None and kv is not None:
+        decode_passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
+                                         KVCache("decode", kv.cache_len, tables, DECODE_TRACE_POSITION))
+        decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug)
+        graphs.append(decode_run.graph)
     if time_passes:
         print(instrument.format_timings(run), file=sys.stderr)
     if report_path is not None:
         instrument.write_fusion_report(report_path, instrument.fusion_report(run))
-    meta = {"source_kind": source.kind, "input_shape": str(input_shape)}
     used: dict[str, set[str]] = {}
-    for v in run.graph.values():
-        used.setdefault(v.type.dtype.value, set()).add(v.name)
+    for g in graphs:
+        for v in g.values():
+            used.setdefault(v.type.dtype.value, set()).add(v.name)
     check_dtypes(target, used)
-    low = lower(run.graph, target, meta)
-    check_fits(target, low.weights_bytes, low.plan.arena_bytes)
+    low = lower(graphs, target, meta)
+    check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
     try:
-        write_om(low, out_path)
+        write_om(low, out_path, extra)
     except OSError as e:
         raise NpucError("NPUC-E0406", f"cannot write {out_path!r}: {e.strerror}", "check the output path",
                         exit_code=EXIT_IO) from None

@@ -79,7 +79,7 @@ def format_name(name: str, sigil: bool = True) -> str:
 
 
 class Value:
-    __slots__ = ("name", "type", "producer", "index", "uses", "const", "graph")
+    __slots__ = ("name", "type", "producer", "index", "uses", "const", "graph", "state")
 
     def __init__(self, name: str, type: TensorType, graph: Graph) -> None:
         self.name = name
@@ -89,6 +89,7 @@ class Value:
         self.uses: list[tuple[Node, int]] = []
         self.const: ConstSource | None = None
         self.graph = graph
+        self.state = False  # persistent across runs (the KV cache): read as an operand, written by an update
 
     @property
     def is_const(self) -> bool:
@@ -96,7 +97,7 @@ class Value:
 
     @property
     def is_input(self) -> bool:
-        return self.producer is None and self.const is None
+        return self.producer is None and self.const is None and not self.state
 
     def users(self) -> list[Node]:
         seen: dict[int, Node] = {}
@@ -142,7 +143,11 @@ class Node:
 
 
 class Graph:
-    """An ordered (topologically sorted) list of nodes plus inputs, constants and outputs."""
+    """An ordered (topologically sorted) list of nodes plus inputs, constants and outputs.
+
+    `states` are persistent tensors (the KV cache) that outlive one run and are shared
+    by every program of a model; `state_updates` maps a state's name to the value it
+    holds after the run. Updates are roots for liveness, like outputs."""
 
     def __init__(self, name: str = "main") -> None:
         self.name = name
@@ -150,6 +155,8 @@ class Graph:
         self.outputs: list[Value] = []
         self.nodes: list[Node] = []
         self.constants: dict[str, Value] = {}
+        self.states: dict[str, Value] = {}
+        self.state_updates: dict[str, Value] = {}
         self._names: set[str] = set()
         self._counter = 0
 
@@ -181,6 +188,24 @@ class Graph:
         v.const = source
         self.constants[v.name] = v
         return v
+
+    def add_state(self, name: str, type: TensorType) -> Value:
+        v = self._new_value(name, type)
+        v.state = True
+        self.states[name] = v
+        return v
+
+    def set_state_update(self, state: Value, value: Value) -> None:
+        if not state.state or self.states.get(state.name) is not state or value.type != state.type:
+            raise InternalError(f"{value.ref()} cannot update {state.ref()}")
+        self.state_updates[state.name] = value
+
+    def root_ids(self) -> set[int]:
+        """Ids of the values read after the run: graph outputs and states' new values."""
+        return {id(v) for v in self.outputs} | {id(v) for v in self.state_updates.values()}
+
+    def is_root(self, v: Value) -> bool:
+        return id(v) in self.root_ids()
 
     def add_node(
         self,
@@ -223,10 +248,11 @@ class Graph:
             new.uses.append((node, i))
         old.uses.clear()
         self.outputs = [new if o is old else o for o in self.outputs]
+        self.state_updates = {k: new if u is old else u for k, u in self.state_updates.items()}
 
     def remove_node(self, node: Node) -> None:
         for out in node.outputs:
-            if out.uses or any(o is out for o in self.outputs):
+            if out.uses or self.is_root(out):
                 raise InternalError(f"removing {node.name} whose output {out.ref()} is still used")
         for i, v in enumerate(node.inputs):
             v.uses.remove((node, i))
@@ -256,6 +282,7 @@ class Graph:
     # -- queries --------------------------------------------------------------
     def values(self) -> Iterator[Value]:
         yield from self.inputs
+        yield from self.states.values()
         yield from self.constants.values()
         for n in self.nodes:
             yield from n.outputs

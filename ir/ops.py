@@ -893,6 +893,51 @@ def _fused_attention(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(q.shape[:3] + (v.shape[-1],), q.dtype)]
 
 
+def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    cache, new, pos = xs
+    return cache.index_copy_(2, pos.reshape(-1).long(), new.to(cache.dtype))
+
+
+@op("kv_write", ("cache", "new", "position"), kernel=_kv_write_kernel, unit="dma", inplace=0,
+    flops=lambda i, o, a: 0,
+    doc="the KV cache with new's rows written at the given positions (in place): cache [b,h,max_len,d], "
+        "new [b,h,s,d], position i64 [s]")
+def _kv_write(ins: T, attrs: A) -> list[TensorType]:
+    cache, new, pos = ins
+    if cache.rank != 4 or new.rank != 4 or cache.shape[:2] != new.shape[:2] or cache.shape[3] != new.shape[3] \
+            or new.shape[2] > cache.shape[2] or cache.dtype != new.dtype:
+        raise ShapeError(f"kv_write rows {new} do not fit cache {cache}")
+    if pos.shape != (new.shape[2],) or pos.dtype not in (DType.i64, DType.i32):
+        raise ShapeError(f"kv_write position {pos} should be i64[{new.shape[2]}]")
+    return [cache]
+
+
+def _cached_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    q, kc, vc, pos = xs
+    # Query i sees cached keys 0..position[i]: the causal mask, offset by where the chunk starts.
+    mask = torch.arange(kc.shape[-2], device=q.device)[None, :] <= pos.reshape(-1, 1).long()
+    return _sdpa_kernel([q, kc, vc, mask], {"scale": a["scale"], "causal": False, "gqa": q.shape[-3] != kc.shape[-3]})
+
+
+def _cached_attention_flops(ins: T, outs: T, attrs: A) -> int:
+    return _sdpa_flops(ins, outs, attrs)
+
+
+@op("cached_attention", ("q", "k_cache", "v_cache", "position"), {"scale": Attr("float")},
+    kernel=_cached_attention_kernel, flops=_cached_attention_flops, unit="cube",
+    doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i]; "
+        "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s]")
+def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
+    q, kc, vc, pos = ins
+    if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] or q.shape[0] != kc.shape[0] \
+            or q.shape[-1] != kc.shape[-1] or q.shape[1] % kc.shape[1]:
+        raise ShapeError(f"cached_attention q {q}, caches {kc} / {vc} do not fit")
+    if pos.shape != (q.shape[2],) or pos.dtype not in (DType.i64, DType.i32):
+        raise ShapeError(f"cached_attention position {pos} should be i64[{q.shape[2]}]")
+    _same_dtype(ins[:3])
+    return [TensorType(q.shape[:3] + (vc.shape[-1],), q.dtype)]
+
+
 def _rope_lut_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     x, pos, cos_t, sin_t = xs
     half = cos_t.shape[-1]

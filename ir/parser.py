@@ -173,6 +173,18 @@ def parse_graph(text: str) -> Graph:
             name, t = declare("@", "a constant")
             env["@" + name] = g.add_constant(name, t, MissingSource())
             continue
+        if lx.accept("state"):
+            name, t = declare("%", "a state")
+            env["%" + name] = g.add_state(name, t)
+            continue
+        if lx.accept("update"):
+            st = lookup(lx.next()[1])
+            lx.expect("=")
+            val = lookup(lx.next()[1])
+            if not st.state or val.type != st.type:
+                raise lx.error(f"{st.ref()} is not a state of type {val.type}", at=lx.i - 1)
+            g.set_state_update(st, val)
+            continue
         if lx.accept("return"):
             outs = []
             while lx.peek()[0] == "ref":

@@ -5,6 +5,12 @@
       %x : f32[1,16,64] = embedding(@model.embed_tokens.weight, %input_ids)
       %q : f32[1,16,32], %k : f32[1,16,32] = split[axis=-1, sizes=[32,32]](%x)
       return %logits
+
+A program with a KV cache declares its persistent tensors and their new values:
+
+      state %kv_cache.0.k : f32[1,2,64,16]
+      %w : f32[1,2,64,16] = kv_write(%kv_cache.0.k, %k, %position)
+      update %kv_cache.0.k = %w
     }
 
 Attributes print sorted by name; floats use `repr`, so `parse(print(g)) == g`.
@@ -58,8 +64,12 @@ def print_graph(g: Graph) -> str:
     lines = [f"graph {format_name(g.name, sigil=False)}({ins}) {{"]
     for c in g.constants.values():
         lines.append(f"  const @{format_name(c.name)} : {c.type}")
+    for st in g.states.values():
+        lines.append(f"  state %{format_name(st.name)} : {st.type}")
     for n in g.nodes:
         lines.append("  " + format_node(n))
+    for name, u in g.state_updates.items():
+        lines.append(f"  update %{format_name(name)} = {u.ref()}")
     lines.append("  return " + ", ".join(v.ref() for v in g.outputs))
     lines.append("}")
     return "\n".join(lines) + "\n"

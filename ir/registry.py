@@ -55,6 +55,9 @@ class Attr:
 InferFn = Callable[[Sequence[TensorType], Mapping[str, Any]], Sequence[TensorType]]
 KernelFn = Callable[..., Any]
 FlopsFn = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
+# (inputs, attrs, output slots, workspace or None) -> handled; see ir/out_kernels.py
+OutKernelFn = Callable[..., bool]
+WorkspaceFn = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
 
 
 def _elementwise_flops(ins: Sequence[TensorType], outs: Sequence[TensorType], attrs: Mapping[str, Any]) -> int:
@@ -72,6 +75,16 @@ class OpDef:
     unit: str = "vector"
     doc: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Output 0 is operand `inplace`, updated in place (the kernel writes it and returns
+    # it): the backend gives both one buffer. Only for operands that are states.
+    inplace: int | None = None
+    # The allocation-free form of `kernel` and the scratch bytes it needs (ir/out_kernels.py).
+    out_kernel: OutKernelFn | None = None
+    workspace: WorkspaceFn | None = None
+
+    def workspace_bytes(self, ins: Sequence[TensorType], outs: Sequence[TensorType], attrs: Mapping[str, Any]
+                        ) -> int:
+        return self.workspace(ins, outs, self.full_attrs(attrs)) if self.workspace is not None else 0
 
     def arity_ok(self, n: int) -> bool:
         if self.inputs and self.inputs[-1].startswith("*"):
@@ -122,13 +135,15 @@ def op(
     flops: FlopsFn = _elementwise_flops,
     unit: str = "vector",
     doc: str = "",
+    inplace: int | None = None,
 ) -> Callable[[InferFn], InferFn]:
     """Declare an op; decorates its shape/dtype rule."""
 
     def deco(infer: InferFn) -> InferFn:
         if name in REGISTRY:
             raise InternalError(f"op {name!r} declared twice")
-        REGISTRY[name] = OpDef(name, tuple(inputs), dict(attrs or {}), infer, kernel, flops, unit, doc)
+        REGISTRY[name] = OpDef(name, tuple(inputs), dict(attrs or {}), infer, kernel, flops, unit, doc,
+                                 inplace=inplace)
         return infer
 
     return deco
@@ -136,6 +151,7 @@ def op(
 
 def get_op(name: str) -> OpDef:
     from npuc.ir import ops as _ops  # noqa: F401  (declarations register on import)
+    from npuc.ir import out_kernels as _out  # noqa: F401
 
     try:
         return REGISTRY[name]
@@ -145,5 +161,6 @@ def get_op(name: str) -> OpDef:
 
 def all_ops() -> dict[str, OpDef]:
     from npuc.ir import ops as _ops  # noqa: F401
+    from npuc.ir import out_kernels as _out  # noqa: F401
 
     return dict(REGISTRY)

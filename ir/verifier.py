@@ -39,6 +39,10 @@ def collect_problems(g: Graph) -> list[str]:
         if v.producer is not None or v.const is not None:
             problems.append(f"input {v.ref()} has a producer or data")
         define(v, "input")
+    for name, st in g.states.items():
+        if not st.state or st.producer is not None or st.const is not None or st.name != name:
+            problems.append(f"state {name!r} is malformed")
+        define(st, "state")
     for name, c in g.constants.items():
         if c.const is None or c.name != name:
             problems.append(f"constant {name!r} is malformed")
@@ -59,6 +63,11 @@ def collect_problems(g: Graph) -> list[str]:
                 problems.append(f"{where}: takes {od.inputs}, got {len(node.inputs)} operands")
             bad = od.check_attrs(node.attrs)
             problems += [f"{where}: {b}" for b in bad]
+            if od.inplace is not None and od.inplace < len(node.inputs):
+                target = node.inputs[od.inplace]
+                if not target.state or len(target.uses) != 1:
+                    problems.append(f"{where}: writes operand {od.inplace} in place, which must be a state "
+                                    "read by nothing else")
             if not bad and od.arity_ok(len(node.inputs)):
                 try:
                     inferred = od.infer_types([v.type for v in node.inputs], node.attrs)
@@ -82,4 +91,8 @@ def collect_problems(g: Graph) -> list[str]:
     for v in g.outputs:
         if id(v) not in defined:
             problems.append(f"graph output {v.ref()} is not defined")
+    for name, u in g.state_updates.items():
+        st = g.states.get(name)
+        if st is None or id(u) not in defined or u.type != st.type:
+            problems.append(f"update of state {name!r} by {u.ref()} is malformed")
     return problems

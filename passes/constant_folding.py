@@ -29,7 +29,7 @@ class ConstantFolding(Pass):
     max_bytes: int = 16 << 20
 
     def call(self, g: Graph) -> PassResult:
-        outputs = {id(v) for v in g.outputs}
+        outputs = g.root_ids()
         modified = False
         for node in list(g.nodes):
             if any(id(o) in outputs for o in node.outputs) or not foldable(node, self.max_bytes):

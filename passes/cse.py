@@ -42,7 +42,7 @@ class CommonSubexpressionElimination(Pass):
             else:
                 seen_const[key] = c
         seen: dict[tuple[Any, ...], Any] = {}
-        outputs = {id(v) for v in g.outputs}
+        outputs = g.root_ids()
         for node in list(g.nodes):
             if any(id(o) in outputs for o in node.outputs):
                 continue  # a graph output keeps its own node and name

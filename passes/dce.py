@@ -8,7 +8,8 @@ constants nothing reads.
     %b : f32[4] = exp(%x)
     return %b
 
-Every op in the registry is pure, so an unused result is always safe to drop.
+Every op in the registry is pure, so an unused result is always safe to drop; a
+state's new value (`update`) counts as used.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class DeadCodeElimination(Pass):
     name = "dce"
 
     def call(self, g: Graph) -> PassResult:
-        outputs = {id(v) for v in g.outputs}
+        outputs = g.root_ids()
         modified = False
         for node in reversed(list(g.nodes)):
             if all(not o.uses and id(o) not in outputs for o in node.outputs):

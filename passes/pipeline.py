@@ -9,6 +9,7 @@ from npuc.passes.canonicalize import Canonicalize
 from npuc.passes.constant_folding import ConstantFolding
 from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
+from npuc.passes.kv_cache import KVCache
 from npuc.passes.manager import Pass
 from npuc.passes.precision import Precision
 from npuc.passes.rmsnorm_fusion import RMSNormFusion
@@ -17,7 +18,9 @@ from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 
 def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype: frozenset[str] = frozenset(),
-                     tile: int = 16, max_head_dim: int = 256) -> list[Pass]:
+                     tile: int = 16, max_head_dim: int = 256, kv_cache: KVCache | None = None) -> list[Pass]:
+    """`kv_cache` (a prefill or decode program of a model with --max_seq_len) runs once
+    attention is fused, before precision and alignment see the result."""
     return [
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
@@ -28,6 +31,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         SwiGLUFusion(),
         RoPEFusion(),
         AttentionFusion(),
+        *([kv_cache] if kv_cache is not None else []),
         BiasFusion(),
         Precision(precision_mode, keep_dtype),
         TargetAlignment(tile, max_head_dim),   # pad matrix products and attention to the tile
@@ -35,3 +39,8 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         CommonSubexpressionElimination(),
         DeadCodeElimination(),
     ]
+
+
+def rope_table_pipeline() -> list[Pass]:
+    """What the model needs to go through before its RoPE tables are `rope_lut` operands."""
+    return default_pipeline()[:8]

@@ -326,7 +326,7 @@ class RewriteEngine:
 
     def _try(self, g: Graph, rule: Rule, root: Node) -> bool:
         stats, prog = self.stats[rule.name], self._progress[rule.name]
-        outputs = {id(v) for v in g.outputs}
+        outputs = g.root_ids()
         for m in _match(rule.pattern, root.outputs[0], Match({}, {}, ()), prog):
             stats.matched += 1
             inside = set(m.matched)
@@ -358,7 +358,7 @@ class RewriteEngine:
                 stats.refused[refusal] += 1
                 continue
             g.replace_all_uses_with(old, new)
-            outputs = {id(v) for v in g.outputs}
+            outputs = g.root_ids()
             replaced = [n.name for n in m.matched]
             left = list(m.matched)
             while left:  # root first; a shared interior node goes once its last reader has

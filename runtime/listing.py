@@ -24,21 +24,29 @@ def _fmt_bytes(n: int) -> str:
 def render_listing(path: str, summary: bool = False) -> str:
     s = Session.load(path)
     m: Any = s.model
-    prog = s.program
+    lines = [f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}; weights "
+             f"{_fmt_bytes(m.weights_bytes)} in {sum(1 for t in s.tensors if t.region == 'weights')} tensors"
+             + (f", state {_fmt_bytes(s.state_bytes)} in {sum(1 for t in s.tensors if t.region == 'state')} "
+                "tensors (KV cache)" if s.state_bytes else "")]
+    for p in s.programs.values():
+        lines += _program(s, p.proto, p.inputs, p.outputs, summary)
+    return "\n".join(lines)
+
+
+def _program(s: Session, prog: Any, inputs: list[TensorInfo], outputs: list[TensorInfo], summary: bool) -> list[str]:
     counts = Counter(o.op for o in prog.ops)
     units = Counter(o.unit for o in prog.ops)
     lines = [
-        f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}",
+        "",
         f"program {prog.name}: {len(prog.ops)} ops, arena {_fmt_bytes(prog.plan.arena_bytes)} "
-        f"(lower bound {_fmt_bytes(prog.plan.lower_bound_bytes)}), weights {_fmt_bytes(m.weights_bytes)} "
-        f"in {sum(1 for t in s.tensors if t.region == 'weights')} tensors",
-        "inputs:  " + ", ".join(_t(t, "in") for t in s.inputs),
-        "outputs: " + ", ".join(_t(t, "out") for t in s.outputs),
+        f"(lower bound {_fmt_bytes(prog.plan.lower_bound_bytes)})",
+        "inputs:  " + ", ".join(_t(t, "in") for t in inputs),
+        "outputs: " + ", ".join(_t(t, "out") for t in outputs),
         "units:   " + ", ".join(f"{u} {n}" for u, n in sorted(units.items())),
         "ops:     " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
     ]
     if summary:
-        return "\n".join(lines)
+        return lines
     lines.append("")
     width = max((len(o.op) for o in prog.ops), default=4)
     for i, o in enumerate(prog.ops):
@@ -48,4 +56,4 @@ def render_listing(path: str, summary: bool = False) -> str:
         head = f"#{i:<4} {o.unit:<6} {o.op:<{width}}  {outs}"
         lines.append(head + (f"  [{attrs}]" if attrs else ""))
         lines.append(" " * (13 + width) + f"<- {ins}" if ins else " " * (13 + width) + "<- (none)")
-    return "\n".join(lines)
+    return lines

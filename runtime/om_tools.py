@@ -31,13 +31,12 @@ from google.protobuf.json_format import MessageToDict
 
 from npuc.backend.memory_plan import Buffer, Plan, validate_plan
 from npuc.backend.om_format import FORMAT_VERSION, OmFile, SectionInfo
-from npuc.backend.om_schema import ModelDef
+from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, InternalError, NpucError
 from npuc.ir import DType, get_op
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
 
-MODELDEF = "modeldef"
 WEIGHTS = "weights"
 
 E_BOUNDS = "NPUC-E0404"
@@ -56,16 +55,15 @@ def _bad(code: str, message: str) -> NpucError:
 def _open(path: str, *, verify_weights: bool) -> Iterator[tuple[OmFile, Any]]:
     """The open container and its parsed, structurally checked model definition.
 
-    Without `verify_weights` only the model definition's checksum is checked."""
+    Without `verify_weights` only the model sections' checksums are checked (not the weights')."""
     with OmFile.open(path, verify=verify_weights) as om:
-        with om.section(MODELDEF) as raw:
-            if not verify_weights and hashlib.sha256(raw).hexdigest() != _info(om, MODELDEF).sha256:
-                raise _bad(E_PARSE, f"section '{MODELDEF}' of {path} fails its checksum: the file is corrupt")
-            model = ModelDef()
-            try:
-                model.ParseFromString(bytes(raw))
-            except Exception:  # protobuf's decode errors differ between its implementations
-                raise _bad(E_PARSE, f"{path}: the model definition does not parse") from None
+        raw: dict[str, bytes] = {}
+        for name in MODEL_SECTIONS:
+            with om.section(name) as view:
+                raw[name] = bytes(view)
+            if not verify_weights and hashlib.sha256(raw[name]).hexdigest() != _info(om, name).sha256:
+                raise _bad(E_PARSE, f"section '{name}' of {path} fails its checksum: the file is corrupt")
+        model = join_model(path, raw)
         _check_structure(path, model)
         yield om, model
 
@@ -86,7 +84,7 @@ def _check_structure(path: str, model: Any) -> None:
     for prog in model.programs:
         refs = [*prog.inputs, *prog.outputs, *(b.tensor for b in prog.plan.buffers)]
         for op in prog.ops:
-            refs += [*op.inputs, *op.outputs]
+            refs += [*op.inputs, *op.outputs, *([op.workspace] if op.HasField("workspace") else [])]
         bad = [i for i in refs if not 0 <= i < n]
         if bad:
             raise _bad(E_BOUNDS, f"{path}: program {prog.name!r} refers to tensor {bad[0]}, but there are {n}")
@@ -104,13 +102,36 @@ def _sections(om: OmFile) -> list[dict[str, Any]]:
 # --- npuc info -------------------------------------------------------------------
 
 
+def _program_info(m: Any, prog: Any) -> dict[str, Any]:
+    return {
+        "name": prog.name,
+        "inputs": [_tensor_brief(m.tensors[i]) for i in prog.inputs],
+        "outputs": [_tensor_brief(m.tensors[i]) for i in prog.outputs],
+        "arena_bytes": prog.plan.arena_bytes,
+        "lower_bound_bytes": prog.plan.lower_bound_bytes,
+        "op_total": len(prog.ops),
+        "op_counts": dict(sorted(Counter(o.op for o in prog.ops).items())),
+        "unit_counts": dict(sorted(Counter(o.unit for o in prog.ops).items())),
+    }
+
+
+def _kv_bytes_per_token(m: Any) -> int:
+    """State bytes per cached position: the KV cache rows ([b, heads, positions, d]) of one token."""
+    return sum(t.nbytes // t.shape[2] for t in m.tensors
+               if t.region == "state" and not t.HasField("base") and len(t.shape) == 4 and t.shape[2])
+
+
 def model_info(path: str) -> dict[str, Any]:
-    """The facts `npuc info` reports, as plain JSON-able data with stable keys."""
+    """The facts `npuc info` reports, as plain JSON-able data with stable keys. The
+    top-level program fields are the first program's; `programs` has each one, and
+    `arena_bytes` is what the runtime allocates (the largest program's arena)."""
     with _open(path, verify_weights=False) as (om, m):
-        prog = m.programs[0]  # the program the runtime executes
+        prog = m.programs[0]
         sections = _sections(om)
         regions = Counter(t.region for t in m.tensors)
         return {
+            "programs": [_program_info(m, p) for p in m.programs],
+            "kv_cache_bytes_per_token": _kv_bytes_per_token(m),
             "format_version": FORMAT_VERSION,
             "file_bytes": max((s["offset"] + s["size"] for s in sections), default=0),
             "sections": sections,
@@ -121,9 +142,9 @@ def model_info(path: str) -> dict[str, Any]:
             "inputs": [_tensor_brief(m.tensors[i]) for i in prog.inputs],
             "outputs": [_tensor_brief(m.tensors[i]) for i in prog.outputs],
             "weights_bytes": m.weights_bytes,
-            "arena_bytes": prog.plan.arena_bytes,
-            "lower_bound_bytes": prog.plan.lower_bound_bytes,
-            "state_bytes": 0,  # .om v1 has no state region (no KV cache) yet
+            "arena_bytes": max(p.plan.arena_bytes for p in m.programs),
+            "lower_bound_bytes": max(p.plan.lower_bound_bytes for p in m.programs),
+            "state_bytes": m.state_bytes,
             "alignment": prog.plan.alignment,
             "tensor_counts": dict(sorted(regions.items())),
             "op_total": len(prog.ops),
@@ -155,23 +176,38 @@ def render_info(path: str, info: dict[str, Any]) -> str:
         ("file", f"{path} ({_b(info['file_bytes'])}, .om v{info['format_version']})"),
         ("producer", f"{info['producer']} {info['producer_version']}"),
         ("target", info["target"]),
-        ("program", f"{info['program']}: {info['op_total']} ops, "
-                    + ", ".join(f"{n} {r} tensors" for r, n in tc.items())),
-        ("inputs", ", ".join(map(_sig, info["inputs"])) or "(none)"),
-        ("outputs", ", ".join(map(_sig, info["outputs"])) or "(none)"),
+        ("tensors", ", ".join(f"{n} {r}" for r, n in tc.items())),
+    ]
+    for p in info["programs"]:
+        head += [
+            ("program", f"{p['name']}: {p['op_total']} ops, arena {_b(p['arena_bytes'])} "
+                        f"(lower bound {_b(p['lower_bound_bytes'])})"),
+            ("  inputs", ", ".join(map(_sig, p["inputs"])) or "(none)"),
+            ("  outputs", ", ".join(map(_sig, p["outputs"])) or "(none)"),
+        ]
+    head += [
         ("weights", _b(info["weights_bytes"])),
         ("arena", _b(info["arena_bytes"])),
         ("lower bound", _b(info["lower_bound_bytes"])),
-        ("state", _b(info["state_bytes"])),
+        ("state", _b(info["state_bytes"]) + (f" (KV cache, {_b(info['kv_cache_bytes_per_token'])} per token)"
+                                             if info["state_bytes"] else "")),
         ("alignment", _b(info["alignment"])),
     ]
     lines = _table(head)
     lines += [""] + _table([("section", "offset", "size", "sha256")]
                            + [(s["name"], f"{s['offset']:,}", f"{s['size']:,}", s["sha256"][:16])
                               for s in info["sections"]], right={1, 2})
-    ops = sorted(info["op_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
-    lines += [""] + _table([("op", "count")] + [(k, str(v)) for k, v in ops], right={1})
-    lines += [""] + _table([("unit", "ops")] + [(k, str(v)) for k, v in info["unit_counts"].items()], right={1})
+    progs = info["programs"]
+    names = [p["name"] for p in progs]
+    total: Counter[str] = Counter()
+    for p in progs:
+        total.update(p["op_counts"])
+    ops = sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines += [""] + _table([("op", *names)] + [(k, *(str(p["op_counts"].get(k, 0)) for p in progs)) for k, _ in ops],
+                           right=set(range(1, len(names) + 1)))
+    units = sorted({u for p in progs for u in p["unit_counts"]})
+    lines += [""] + _table([("unit", *names)] + [(u, *(str(p["unit_counts"].get(u, 0)) for p in progs))
+                                                 for u in units], right=set(range(1, len(names) + 1)))
     if info["metadata"]:
         lines += [""] + _table([("metadata", "value")] + sorted(info["metadata"].items()))
     return "\n".join(lines)
@@ -182,7 +218,8 @@ def render_info(path: str, info: dict[str, Any]) -> str:
 
 def dump_json(path: str) -> str:
     """The section table and the whole model definition as JSON (proto3 JSON mapping:
-    64-bit integers are strings, unset fields are left out), keys sorted."""
+    64-bit integers are strings, unset fields are left out), keys sorted. The plan,
+    tasks and metadata sections are shown merged into it, where the runtime uses them."""
     with _open(path, verify_weights=False) as (om, m):
         doc = {
             "format_version": FORMAT_VERSION,
@@ -200,8 +237,8 @@ def validate_om(path: str) -> str:
     with _open(path, verify_weights=True) as (om, m):
         sections = om.section_info()
         weights_len = _info(om, WEIGHTS).size
-        prog0 = m.programs[0]
-        _check_tensors(path, m, weights_len, prog0.plan.arena_bytes)
+        arena = max(p.plan.arena_bytes for p in m.programs)
+        _check_tensors(path, m, weights_len, arena)
         for prog in m.programs:
             for op in prog.ops:
                 try:
@@ -210,18 +247,18 @@ def validate_om(path: str) -> str:
                     raise _bad(E_UNKNOWN_OP, f"{path}: op {op.name!r} is {op.op!r}, which this runtime does "
                                              "not know") from None
         n_buffers = sum(_check_plan(path, m, prog) for prog in m.programs)
-    plan = prog0.plan
+    plans = ", ".join(f"{p.name} arena {_b(p.plan.arena_bytes)}, lower bound {_b(p.plan.lower_bound_bytes)}"
+                      for p in m.programs)
     return (f"ok: {path}: {len(sections)} sections (checksums match), {len(m.tensors)} tensors in bounds, "
             f"{sum(len(p.ops) for p in m.programs)} ops, memory plan of {n_buffers} buffers valid "
-            f"(arena {_b(plan.arena_bytes)}, lower bound {_b(plan.lower_bound_bytes)}), "
-            f"weights {_b(m.weights_bytes)}")
+            f"({plans}), weights {_b(m.weights_bytes)}" + (f", state {_b(m.state_bytes)}" if m.state_bytes else ""))
 
 
 def _check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> None:
     if m.weights_bytes != weights_len:
         raise _bad(E_BOUNDS, f"{path}: the model definition says {m.weights_bytes} weight bytes, the "
                              f"'{WEIGHTS}' section holds {weights_len}")
-    limits = {"arena": arena_bytes, "weights": weights_len}
+    limits = {"arena": arena_bytes, "weights": weights_len, "state": m.state_bytes}
     for t in m.tensors:
         try:
             dt = DType(t.dtype)
@@ -235,6 +272,11 @@ def _check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> Non
         if t.offset % dt.itemsize or t.offset + t.nbytes > limits[t.region]:
             raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} (bytes {t.offset}..{t.offset + t.nbytes}) lies "
                                  f"outside its {t.region} region of {limits[t.region]} bytes")
+        if t.HasField("base"):
+            b = m.tensors[t.base] if 0 <= t.base < len(m.tensors) else None
+            if b is None or b.HasField("base") or b.region != t.region or b.offset != t.offset or t.nbytes > b.nbytes:
+                raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} says it shares tensor {t.base}'s buffer, "
+                                     "which does not hold it")
 
 
 def _check_plan(path: str, m: Any, prog: Any) -> int:
@@ -268,11 +310,13 @@ def _check_plan(path: str, m: Any, prog: Any) -> int:
     uses += [(i, last, "is a program output") for i in prog.outputs]
     for step, op in enumerate(prog.ops, start=1):
         uses += [(i, step, f"is used by op {op.name!r}") for i in [*op.inputs, *op.outputs]]
+        if op.HasField("workspace"):
+            uses.append((op.workspace, step, f"is the workspace of op {op.name!r}"))
     for tid, step, why in uses:
         t = m.tensors[tid]
         if t.region != "arena":
             continue
-        b = live.get(tid)
+        b = live.get(t.base if t.HasField("base") else tid)
         if b is None:
             raise bad(f"tensor {t.name!r} {why} but has no buffer")
         if not b.start <= step <= b.end:

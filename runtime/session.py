@@ -5,6 +5,10 @@ from the file; kernels are the op registry's reference kernels. Weights are
 viewed in place in the memory-mapped file (no copy). Every intermediate lives at
 the offset the compiler planned in one arena, so a wrong plan shows up as a
 wrong result, not as hidden extra memory.
+
+A model with a KV cache has several programs (prefill, decode) over one state
+region, allocated and zeroed once at load, which persists across runs until
+`reset_state()`. The arena is allocated once, for the largest program.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from npuc.backend.om_format import OmFile
-from npuc.backend.om_schema import ModelDef
+from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
 
@@ -50,7 +54,19 @@ class _Step:
     opdef: OpDef
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-    attrs: Mapping[str, Any]
+    attrs: Mapping[str, Any]  # with the schema's defaults filled in
+    workspace: int | None = None
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    proto: Any
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    input_ids: list[int]
+    output_ids: list[int]
+    steps: list[_Step]
 
 
 class Session:
@@ -60,22 +76,36 @@ class Session:
         self.device = torch.device(device)
         self.tensors = [
             TensorInfo(t.name, DType(t.dtype), tuple(t.shape), t.region, t.offset, t.nbytes) for t in model.tensors]
-        prog = model.programs[0]
-        self.program = prog
-        self.arena_bytes = prog.plan.arena_bytes
-        self.inputs = [self.tensors[i] for i in prog.inputs]
-        self.outputs = [self.tensors[i] for i in prog.outputs]
-        self._input_ids = list(prog.inputs)
-        self._output_ids = list(prog.outputs)
-        try:
-            self._steps = [
-                _Step(get_op(o.op), tuple(o.inputs), tuple(o.outputs), {a.name: _attr(a.value) for a in o.attrs})
-                for o in prog.ops]
-        except AssertionError as e:
-            raise NpucError("NPUC-E0408", f"the .om uses an op this runtime does not know: {e}",
-                            "update npuc to the version that compiled the model", exit_code=EXIT_IO) from None
+        if not model.programs:
+            raise NpucError("NPUC-E0404", "the .om has no program", "the file is corrupt; recompile it",
+                            exit_code=EXIT_IO)
+        self.programs: dict[str, Program] = {}
+        for prog in model.programs:
+            try:
+                steps = [
+                    _Step(od, tuple(o.inputs), tuple(o.outputs),
+                          od.full_attrs({a.name: _attr(a.value) for a in o.attrs}),
+                          o.workspace if o.HasField("workspace") else None)
+                    for o in prog.ops for od in (get_op(o.op),)]
+            except AssertionError as e:
+                raise NpucError("NPUC-E0408", f"the .om uses an op this runtime does not know: {e}",
+                                "update npuc to the version that compiled the model", exit_code=EXIT_IO) from None
+            self._check_refs(steps, [*prog.inputs, *prog.outputs,
+                                     *(s.workspace for s in steps if s.workspace is not None)])
+            self.programs[prog.name] = Program(
+                prog.name, prog, [self.tensors[i] for i in prog.inputs], [self.tensors[i] for i in prog.outputs],
+                list(prog.inputs), list(prog.outputs), steps)
+        first = next(iter(self.programs.values()))
+        # The default program's surface (one-program models use nothing else).
+        self.program = first.proto
+        self.inputs, self.outputs = first.inputs, first.outputs
+        self.arena_bytes = max(p.plan.arena_bytes for p in model.programs)
+        self.state_bytes = int(model.state_bytes)
+        self._cache_rows = min((t.shape[2] for t in self.tensors if t.region == "state" and len(t.shape) == 4),
+                               default=0)
         self._check_bounds()
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
+        self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
         weights = om.section("weights")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the map is read-only and we never write weights
@@ -83,47 +113,63 @@ class Session:
         if self.device.type != "cpu":
             self._weights = self._weights.to(self.device)
         self.views = [self._view(t) for t in self.tensors]
+        # Each step's operand views, bound once: a run then only calls kernels.
+        self._bound = {name: [([self.views[i] for i in st.inputs], [self.views[o] for o in st.outputs],
+                               self.views[st.workspace] if st.workspace is not None else None, st)
+                              for st in p.steps] for name, p in self.programs.items()}
 
     @classmethod
     def load(cls, path: str, device: str = "cpu") -> Session:
         om = OmFile.open(path)
-        model = ModelDef()
-        try:
-            model.ParseFromString(bytes(om.section("modeldef")))
-        except Exception:
-            raise NpucError("NPUC-E0405", f"{path!r}: the model definition does not parse",
-                            "recompile the model with `npuc compile`", exit_code=EXIT_IO) from None
+        model = join_model(path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
         return cls(om, model, device)
 
-    def _check_bounds(self) -> None:
-        wlen = len(self.om.section("weights"))
+    def _check_refs(self, steps: list[_Step], refs: list[int]) -> None:
         n = len(self.tensors)
+        if any(not 0 <= i < n for s in steps for i in s.inputs + s.outputs) or any(not 0 <= i < n for i in refs):
+            raise NpucError("NPUC-E0404", "an op refers to a tensor that does not exist",
+                            "the file is corrupt; recompile it", exit_code=EXIT_IO)
+
+    def _check_bounds(self) -> None:
+        limits = {"arena": self.arena_bytes, "weights": len(self.om.section("weights")), "state": self.state_bytes}
         for t in self.tensors:
-            limit = self.arena_bytes if t.region == "arena" else wlen
             want = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
-            if t.region not in ("arena", "weights") or t.offset + t.nbytes > limit or want != t.nbytes \
+            if t.region not in limits or t.offset + t.nbytes > limits[t.region] or want != t.nbytes \
                     or t.offset % t.dtype.itemsize:
                 raise NpucError("NPUC-E0404", f"tensor {t.name!r} lies outside its {t.region} region",
                                 "the file is corrupt; recompile it", exit_code=EXIT_IO)
-        for s in self._steps:
-            if any(not 0 <= i < n for i in s.inputs + s.outputs):
-                raise NpucError("NPUC-E0404", "an op refers to a tensor that does not exist",
-                                "the file is corrupt; recompile it", exit_code=EXIT_IO)
 
     def _view(self, t: TensorInfo) -> torch.Tensor:
-        base = self.arena if t.region == "arena" else self._weights
+        base = {"arena": self.arena, "weights": self._weights, "state": self.state}[t.region]
         raw = base[t.offset:t.offset + t.nbytes]
         return raw.view(t.dtype.torch).reshape(t.shape)
 
-    def run(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        names = {t.name for t in self.inputs}
+    def reset_state(self) -> None:
+        """Forget the KV cache (a new sequence)."""
+        self.state.zero_()
+
+    def _program(self, name: str | None) -> Program:
+        if name is None:
+            return next(iter(self.programs.values()))
+        if name not in self.programs:
+            raise NpucError("NPUC-E0111", f"the model has no program {name!r}",
+                            "its programs are " + ", ".join(self.programs), exit_code=EXIT_USAGE)
+        return self.programs[name]
+
+    def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True
+            ) -> dict[str, torch.Tensor]:
+        """Run `program` (the first one by default) on `inputs` (name -> array). With
+        `copy_outputs=False` the outputs are views of the arena, valid until the next run
+        (a decode loop then allocates nothing)."""
+        p = self._program(program)
+        names = {t.name for t in p.inputs}
         unknown = sorted(set(inputs) - names)
         missing = sorted(names - set(inputs))
         if unknown or missing:
             raise NpucError("NPUC-E0107", f"inputs do not match the model: missing {missing}, unknown {unknown}",
                             "the model's inputs are " + ", ".join(f"{t.name}: {t.dtype}{list(t.shape)}"
-                                                                   for t in self.inputs), exit_code=EXIT_USAGE)
-        for tid, t in zip(self._input_ids, self.inputs, strict=True):
+                                                                   for t in p.inputs), exit_code=EXIT_USAGE)
+        for tid, t in zip(p.input_ids, p.inputs, strict=True):
             x = inputs[t.name]
             # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
             x = torch.from_numpy(np.require(x, requirements="C")) if isinstance(x, np.ndarray) else torch.as_tensor(x)
@@ -134,10 +180,21 @@ class Session:
             if x.dtype != t.dtype.torch and not (x.dtype.is_floating_point == t.dtype.is_float):
                 raise NpucError("NPUC-E0108", f"input {t.name!r} has dtype {x.dtype}, the model expects {t.dtype}",
                                 "convert the input", exit_code=EXIT_USAGE)
+            if t.name == "position" and self._cache_rows:
+                if any(not 0 <= pos < self._cache_rows for pos in x.reshape(-1).tolist()):
+                    raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the KV cache's "
+                                    f"{self._cache_rows} rows", "positions run from 0 to --max_seq_len - 1",
+                                    exit_code=EXIT_USAGE)
             self.views[tid].copy_(x)
+        views = self.views
         with torch.no_grad():
-            for s in self._steps:
-                results = s.opdef.run([self.views[i] for i in s.inputs], s.attrs)
-                for o, r in zip(s.outputs, results, strict=True):
-                    self.views[o].copy_(r)
-        return {t.name: self.views[i].clone() for i, t in zip(self._output_ids, self.outputs, strict=True)}
+            for ins, outs, ws, st in self._bound[p.name]:
+                od = st.opdef
+                if od.out_kernel is not None and od.out_kernel(ins, st.attrs, outs, ws):
+                    continue  # written in place, nothing allocated
+                results = od.run(ins, st.attrs)
+                for dst, r in zip(outs, results, strict=True):
+                    if r.data_ptr() != dst.data_ptr():  # a view or an in-place write is there already
+                        dst.copy_(r)
+        return {t.name: views[i].clone() if copy_outputs else views[i]
+                for i, t in zip(p.output_ids, p.outputs, strict=True)}

@@ -17,7 +17,7 @@ import pytest
 import npuc
 from npuc.backend.memory_plan import Buffer, lower_bound
 from npuc.backend.om_format import WEIGHTS_ALIGN, OmFile, OmWriter
-from npuc.backend.om_schema import ModelDef
+from npuc.backend.om_sections import MODEL_SECTIONS, join_model, split_model
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -103,11 +103,11 @@ def test_validate_accepts_a_fresh_file(om_path: Path) -> None:
 def _rewrite(src: Path, dst: Path, edit: Callable[[Any], None]) -> Path:
     """A copy of `src` whose model definition `edit` changed, with valid checksums throughout."""
     with OmFile.open(src) as om:
-        m = ModelDef()
-        m.ParseFromString(bytes(om.section("modeldef")))
+        m = join_model(str(src), {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
         edit(m)
         with om.section("weights") as w, OmWriter(dst) as out:
-            out.add_section("modeldef", m.SerializeToString(deterministic=True))
+            for name, data in split_model(m).items():
+                out.add_section(name, data)
             out.add_section("weights", w, WEIGHTS_ALIGN)
     return dst
 
@@ -189,9 +189,13 @@ def test_dump_json_has_the_whole_model(om_path: Path) -> None:
     assert [(o["op"], o["name"], o["unit"]) for o in prog["ops"]] == [
         (o.op, o.name, o.unit) for o in sess.program.ops]
     assert len(doc["modeldef"]["tensors"]) == len(sess.tensors)
-    assert [s["name"] for s in doc["sections"]] == ["modeldef", "weights"]
+    assert [s["name"] for s in doc["sections"]] == ["modeldef", "plan", "tasks", "metadata", "weights"]
     assert int(prog["plan"]["arena_bytes"]) == sess.arena_bytes  # proto3 JSON writes 64-bit ints as strings
-    assert len(prog["plan"]["buffers"]) == sum(t.region == "arena" for t in sess.tensors)
+    views = [t for t in doc["modeldef"]["tensors"] if "base" in t]
+    assert views and all(t["region"] == "arena" for t in views)  # reshapes share their operand's buffer
+    assert len(prog["plan"]["buffers"]) == sum(t.region == "arena" for t in sess.tensors) - len(views)
+    meta = {e["key"]: e["value"] for e in doc["modeldef"]["metadata"]}
+    assert meta["target"] == "npu" and len(meta["source_sha256"]) == 64 and meta["option.input_shape"]
 
 
 def test_om_tools_need_only_the_runtime_dependencies() -> None:

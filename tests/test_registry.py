@@ -108,6 +108,10 @@ CASES: dict[str, list[Case]] = {
     "swiglu": [case("f32[2,3,8]", "f32[2,3,8]")],
     "fused_attention": [case("f32[1,4,8,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", scale=0.25, causal=True),
                         case("f32[2,2,8,16]", "f32[2,2,6,16]", "f32[2,2,6,16]", "bool[8,6]", scale=0.5)],
+    "kv_write": [case("f32[1,2,8,4]", "f32[1,2,3,4]", Idx("i64[3]", 8)), case("f16[2,1,6,8]", "f16[2,1,1,8]",
+                                                                           Idx("i32[1]", 6))],
+    "cached_attention": [case("f32[1,4,1,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", Idx("i64[1]", 8), scale=0.25),
+                         case("f32[2,2,3,8]", "f32[2,2,6,8]", "f32[2,2,6,8]", Idx("i64[3]", 6), scale=0.5)],
     "rope_lut": [case("f32[1,2,5,8]", Idx("i64[5]", 9), "f32[9,4]", "f32[9,4]"),
                  case("f32[2,2,5,8]", Idx("i64[2,5]", 9), "f32[9,2]", "f32[9,2]", layout="interleaved"),
                  case("f32[1,2,5,8]", Idx("i64[5]", 9), "f32[9,4]", "f32[9,4]", layout="deinterleave")],
@@ -181,7 +185,8 @@ def test_kernel_agrees_with_shape_rule(name: str, c: Case) -> None:
 def test_case_as_a_one_node_graph_verifies_and_roundtrips(name: str, c: Case) -> None:
     od = get_op(name)
     g = Graph()
-    ins = [g.add_input(f"in{i}", t) for i, t in enumerate(c.types())]
+    ins = [g.add_state(f"in{i}", t) if i == od.inplace else g.add_input(f"in{i}", t)  # in place: a state
+           for i, t in enumerate(c.types())]
     node = g.add_node(name, ins, od.infer_types(c.types(), c.attrs), c.attrs, names="out")
     g.set_outputs(node.outputs)
     verify(g)
@@ -321,3 +326,31 @@ def test_shape_rule_refuses(label: str) -> None:
 def test_expand_refuses_negative_dims() -> None:
     with pytest.raises(ShapeError):
         get_op("expand").infer_types([ty("f32[1,3]")], {"shape": (-1, 3)})
+
+
+@pytest.mark.parametrize("name, c", [p for p in _case_params() if get_op(p.values[0]).out_kernel is not None])
+def test_out_kernel_agrees_with_the_reference_kernel(name: str, c: Case) -> None:
+    """The runtime's allocation-free form writes what the reference kernel returns, or declines."""
+    od = get_op(name)
+    gen = torch.Generator().manual_seed(0)
+    ins = [tensor(a, gen) for a in c.args]
+    types = c.types()
+    outs_t = od.infer_types(types, c.attrs)
+    with torch.no_grad():
+        want = od.run(ins, c.attrs)
+        outs = [torch.full(t.shape, float("nan")).to(t.dtype.torch) if t.dtype.is_float
+                else torch.zeros(t.shape, dtype=t.dtype.torch) for t in outs_t]
+        ws_bytes = od.workspace_bytes(types, outs_t, c.attrs)
+        ws = torch.full((ws_bytes,), 0xFF, dtype=torch.uint8) if ws_bytes else None
+        assert od.out_kernel is not None
+        if not od.out_kernel(ins, od.full_attrs(c.attrs), outs, ws):
+            pytest.skip("declined: the reference kernel runs")
+    for got, w in zip(outs, want, strict=True):
+        assert got.dtype == w.dtype and got.shape == w.shape
+        assert torch.allclose(got, w, rtol=1e-6, atol=1e-6, equal_nan=True), (got, w)
+
+
+def test_the_decode_hot_path_has_out_kernels() -> None:
+    for name in ("linear", "rms_norm", "rope_lut", "cached_attention", "swiglu", "add", "mul", "gather", "pad",
+                 "concat", "cast"):
+        assert get_op(name).out_kernel is not None, name

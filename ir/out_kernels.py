@@ -1,0 +1,253 @@
+"""Out-kernels: the runtime's allocation-free form of an op's reference kernel.
+
+An out-kernel writes its results into the planned output slots (`outs`) and keeps
+its temporaries in a workspace (`ws`, bytes the memory planner reserved in the
+arena for that one step), so a run allocates no tensor. It returns False to hand
+an operand combination it does not cover back to the reference kernel, which
+computes a result that the runtime then copies in. Each follows its reference
+kernel's order of operations, so results agree to the last bit or two (tests
+compare every registry case).
+
+Attached to the registry here rather than in ops.py: the reference kernel stays the
+definition of what an op computes; this is one way to run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from npuc.ir.ops import _BINARY, _FLOAT_UNARY, _NUMERIC_UNARY
+from npuc.ir.registry import REGISTRY, OutKernelFn, WorkspaceFn
+from npuc.ir.types import DType, TensorType
+
+T = Sequence[TensorType]
+A = dict[str, Any]
+Ts = list[torch.Tensor]
+F32 = DType.f32.itemsize
+
+
+def _attach(name: str, fn: OutKernelFn, workspace: WorkspaceFn | None = None) -> None:
+    REGISTRY[name] = dataclasses.replace(REGISTRY[name], out_kernel=fn, workspace=workspace)
+
+
+def out_kernel(*names: str, workspace: WorkspaceFn | None = None) -> Callable[[OutKernelFn], OutKernelFn]:
+    def deco(fn: OutKernelFn) -> OutKernelFn:
+        for n in names:
+            _attach(n, fn, workspace)
+        return fn
+
+    return deco
+
+
+def _scalar(ws: torch.Tensor | None, offset: int, value: float) -> torch.Tensor:
+    """A 0-d f32 in the workspace holding `value`. A Python number as an operand
+    (`t.add_(eps)`) makes ATen allocate a tensor for it on every call; this does not."""
+    t = _f32(ws, offset, ())
+    t.fill_(value)
+    return t
+
+
+def _f32(ws: torch.Tensor | None, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    assert ws is not None
+    n = 1
+    for d in shape:
+        n *= d
+    return ws[offset:offset + n * F32].view(torch.float32).view(shape)
+
+
+# -- elementwise ---------------------------------------------------------------------------
+
+def _unary(fn: Callable[..., torch.Tensor]) -> OutKernelFn:
+    def run(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+        fn(xs[0], out=outs[0])
+        return True
+
+    return run
+
+
+_OUT_UNARY = {**{k: v for k, v in _FLOAT_UNARY.items() if not getattr(v, "__module__", "").endswith("functional")},
+              **_NUMERIC_UNARY, "silu": torch.ops.aten.silu.out,
+              "relu": lambda x, out: torch.clamp_min(x, 0, out=out)}
+for _name, _fn in _OUT_UNARY.items():
+    _attach(_name, _unary(_fn))
+
+
+def _binary(fn: Callable[..., torch.Tensor]) -> OutKernelFn:
+    def run(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+        fn(xs[0], xs[1], out=outs[0])
+        return True
+
+    return run
+
+
+for _name, _fn in _BINARY.items():
+    _attach(_name, _binary(_fn))
+
+
+@out_kernel("cast")
+def _cast(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    outs[0].copy_(xs[0])
+    return True
+
+
+@out_kernel("swiglu")
+def _swiglu(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    torch.ops.aten.silu.out(xs[0], out=outs[0])
+    outs[0].mul_(xs[1])
+    return True
+
+
+# -- data movement -------------------------------------------------------------------------
+
+@out_kernel("concat")
+def _concat(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    torch.cat(xs, dim=a["axis"], out=outs[0])
+    return True
+
+
+@out_kernel("gather")
+def _gather(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, idx, out = xs[0], xs[1], outs[0]
+    ax = a["axis"] % x.dim()
+    if idx.dtype != torch.int64 or ax != 0:
+        return False
+    try:  # a negative index (ONNX allows them) goes to the reference kernel
+        torch.index_select(x, 0, idx.reshape(-1), out=out.view((-1,) + tuple(x.shape[1:])))
+    except IndexError:
+        return False
+    return True
+
+
+@out_kernel("pad")
+def _pad(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, pads, out = xs[0], a["pads"], outs[0]
+    r = x.dim()
+    if a["mode"] != "constant" or any(p < 0 for p in pads):
+        return False
+    if len(xs) > 1:
+        out.fill_(xs[1].reshape(()))
+    else:
+        out.zero_()
+    out[tuple(slice(pads[ax], pads[ax] + x.shape[ax]) for ax in range(r))].copy_(x)
+    return True
+
+
+# -- linear algebra ------------------------------------------------------------------------
+
+@out_kernel("linear")
+def _linear(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, w, out = xs[0], xs[1], outs[0]
+    if not x.is_contiguous():
+        return False
+    k, n = x.shape[-1], out.shape[-1]
+    wt = w.t() if a["weight_layout"] == "nk" else w
+    torch.mm(x.reshape(-1, k), wt, out=out.view(-1, n))
+    if len(xs) > 2:
+        out.add_(xs[2])  # after the product, as the reference adds its bias
+    return True
+
+
+def _rows(x: TensorType, axis: int) -> int:
+    ax = axis % x.rank
+    n = 1
+    for d in x.shape[:ax]:
+        n *= d
+    return n
+
+
+@out_kernel("rms_norm", workspace=lambda ins, outs, a: (_rows(ins[0], a["axis"]) + 2) * F32)
+def _rms_norm(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, scale, out = xs[0], xs[1], outs[0]
+    if x.dtype != torch.float32:
+        return False
+    ax = a["axis"] % x.dim()
+    axes = tuple(range(ax, x.dim()))
+    rows = _rows(TensorType(tuple(x.shape), DType.f32), ax)
+    m = _f32(ws, 0, tuple(x.shape[:ax]) + (1,) * (x.dim() - ax))
+    n = _scalar(ws, rows * F32, float(x.shape[ax:].numel()))
+    eps = _scalar(ws, (rows + 1) * F32, a["eps"])
+    torch.mul(x, x, out=out)
+    torch.sum(out, dim=axes, keepdim=True, out=m)  # mean as torch computes it: the sum, then / n
+    m.div_(n)
+    m.add_(eps).rsqrt_()
+    torch.mul(x, m, out=out)
+    out.mul_(scale)
+    return True
+
+
+def _rope_ws(ins: T, outs: T, a: A) -> int:
+    pos, table = ins[1], ins[2]
+    return 2 * pos.numel * table.shape[1] * F32
+
+
+@out_kernel("rope_lut", workspace=_rope_ws)
+def _rope_lut(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, pos, cos_t, sin_t = xs
+    out = outs[0]
+    if x.dtype != torch.float32 or cos_t.dtype != torch.float32 or pos.dim() != 1 or pos.dtype != torch.int64:
+        return False
+    s, half = pos.shape[0], cos_t.shape[1]
+    r = 2 * half
+    c, sn = _f32(ws, 0, (s, half)), _f32(ws, s * half * F32, (s, half))
+    torch.index_select(cos_t, 0, pos, out=c)
+    torch.index_select(sin_t, 0, pos, out=sn)
+    layout = a["layout"]
+    if layout == "half":
+        x1, x2 = x[..., :half], x[..., half:r]
+    else:
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    if layout == "interleaved":
+        o1, o2 = out[..., 0:r:2], out[..., 1:r:2]
+    else:
+        o1, o2 = out[..., :half], out[..., half:r]
+    # real = x1*c - x2*s, imag = x2*c + x1*s, as the reference computes them
+    torch.mul(x1, c, out=o1)
+    o1.addcmul_(x2, sn, value=-1)
+    torch.mul(x2, c, out=o2)
+    o2.addcmul_(x1, sn)
+    if r < x.shape[-1]:
+        out[..., r:].copy_(x[..., r:])
+    return True
+
+
+def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
+    q, kc = ins[0], ins[1]
+    b, hq, s, _ = q.shape
+    return (b * hq * s * kc.shape[2] + 1) * F32
+
+
+@out_kernel("cached_attention", workspace=_cached_attention_ws)
+def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    q, kc, vc, pos = xs
+    out = outs[0]
+    if q.dtype != torch.float32 or not q.is_contiguous():
+        return False
+    b, hq, s, d = q.shape
+    hkv, length = kc.shape[1], kc.shape[2]
+    g = hq // hkv
+    # Grouped-query attention without repeating K/V: q's heads of one group stack as rows.
+    scores = _f32(ws, 0, (b, hkv, g * s, length))
+    scale = _scalar(ws, scores.numel() * F32, a["scale"])
+    torch.matmul(q.view(b, hkv, g * s, d), kc.transpose(-1, -2), out=scores)
+    scores.mul_(scale)
+    per_query = scores.view(b, hkv, g, s, length)
+    for i, p in enumerate(pos.tolist()):  # query i sees keys 0..p
+        per_query[:, :, :, i, p + 1:].fill_(float("-inf"))
+    torch.softmax(scores, dim=-1, out=scores)
+    torch.matmul(scores, vc, out=out.view(b, hkv, g * s, vc.shape[-1]))
+    return True
+
+
+@out_kernel("slice_scatter")
+def _slice_scatter(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    # torch.slice_scatter clones its operand's whole storage: for an arena view, the arena.
+    x, src, out = xs[0], xs[1], outs[0]
+    idx: list[slice] = [slice(None)] * x.dim()
+    idx[a["axis"]] = slice(a["start"], a["end"], a["step"])
+    out.copy_(x)
+    out[tuple(idx)].copy_(src)
+    return True

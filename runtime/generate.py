@@ -1,0 +1,122 @@
+"""Greedy decoding over a `.om` compiled with `--max_seq_len`: the prefill program
+fills the KV cache from position 0, then the decode program runs one token at a time.
+
+A prompt shorter than the prefill length is padded on the right: attention is causal,
+so the padding changes neither the logits at the prompt's last position nor the cache
+rows before it, and decode overwrites the rows after it before any query can see them.
+A prompt longer than the prefill length sends its remaining tokens through decode.
+Decoding stops after `max_new_tokens`, at an end-of-sequence token (unless ignored),
+or when the cache is full.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from npuc.errors import EXIT_USAGE, NpucError
+from npuc.runtime.session import Session
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    max_seq_len: int
+    prefill_len: int
+    batch: int
+    eos: frozenset[int]
+    ids_name: str
+
+
+def generation_info(s: Session) -> GenerationInfo:
+    meta = {m.key: m.value for m in s.model.metadata}
+    if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
+        raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
+                        "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
+    ids = s.programs["prefill"].inputs[0]
+    eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
+    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name)
+
+
+def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> Iterator[int]:
+    """Yield greedily decoded token ids, one per step."""
+    for token, _ in steps(s, prompt, max_new_tokens, ignore_eos, keep_logits=False):
+        yield token
+
+
+def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False,
+          keep_logits: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token, the logits it was chosen from) for each new token. Without
+    `keep_logits` the logits are a view of the arena, valid until the next step: the
+    decode loop then allocates no tensor in the runtime."""
+    info = generation_info(s)
+    if not prompt:
+        raise NpucError("NPUC-E0125", "the prompt is empty", "give at least one token id", exit_code=EXIT_USAGE)
+    if len(prompt) >= info.max_seq_len:
+        raise NpucError("NPUC-E0125", f"the prompt has {len(prompt)} tokens; the model caches {info.max_seq_len}",
+                        "shorten the prompt or recompile with a larger --max_seq_len", exit_code=EXIT_USAGE)
+    if info.batch != 1:
+        raise NpucError("NPUC-E0125", f"the model was compiled for batch {info.batch}; generate decodes one sequence",
+                        "compile with --input_shape input_ids:1,N", exit_code=EXIT_USAGE)
+    s.reset_state()
+    n = min(len(prompt), info.prefill_len)
+    first = torch.zeros((1, info.prefill_len), dtype=torch.int64)
+    first[0, :n] = torch.tensor(list(prompt[:n]), dtype=torch.int64)
+    logits = s.run({info.ids_name: first}, "prefill", copy_outputs=keep_logits)["logits"][0, n - 1]
+    decode = s.programs["decode"]
+    pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
+
+    def step(token: int, pos: int) -> torch.Tensor:
+        out = s.run({info.ids_name: torch.tensor([[token]]), pos_name: torch.tensor([pos])}, "decode",
+                    copy_outputs=keep_logits)
+        return out["logits"][0, -1]
+
+    for pos in range(n, len(prompt)):  # the rest of a long prompt
+        logits = step(prompt[pos], pos)
+    pos = len(prompt)
+    for i in range(max_new_tokens):
+        token = int(logits.argmax())
+        yield token, logits
+        if (token in info.eos and not ignore_eos) or i + 1 == max_new_tokens or pos >= info.max_seq_len:
+            return
+        logits = step(token, pos)
+        pos += 1
+
+
+def generate(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    return list(stream(s, prompt, max_new_tokens, ignore_eos))
+
+
+def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """encode/decode from the tokenizer files the compiler stored (needs transformers)."""
+    if "tokenizer" not in s.om.section_names():
+        raise NpucError("NPUC-E0126", "the model has no tokenizer", "pass --prompt-ids, or compile from a Hugging "
+                        "Face folder that has tokenizer files", exit_code=EXIT_USAGE)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise NpucError("NPUC-E0104", "--prompt needs transformers to run the stored tokenizer",
+                        "pip install 'npuc[hf]', or pass --prompt-ids", exit_code=EXIT_USAGE) from None
+    files: dict[str, Any] = json.loads(bytes(s.om.section("tokenizer")))
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in files.items():
+            if os.path.basename(name) != name or name.startswith("."):
+                raise NpucError("NPUC-E0126", f"the stored tokenizer names a file {name!r}",
+                                "the file is corrupt; recompile it", exit_code=EXIT_USAGE)
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(base64.b64decode(data))
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=True)["input_ids"])
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    return encode, decode

@@ -1,0 +1,28 @@
+"""Small helpers for building IR graphs by hand in tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from npuc.ir import DType, Graph, TensorSource, TensorType, Value, get_op
+
+
+def f32(*shape: int) -> TensorType:
+    return TensorType(shape, DType.f32)
+
+
+def i64(*shape: int) -> TensorType:
+    return TensorType(shape, DType.i64)
+
+
+def node(g: Graph, op: str, inputs: list[Value], attrs: dict[str, Any] | None = None,
+         name: str | None = None) -> Value:
+    """Add `op` with the output type its shape rule infers; return its (only) output."""
+    outs = get_op(op).infer_types([v.type for v in inputs], attrs or {})
+    return g.add_node(op, inputs, outs, attrs, names=name).outputs[0]
+
+
+def const(g: Graph, name: str, t: torch.Tensor) -> Value:
+    return g.add_constant(name, TensorType(tuple(t.shape), DType.from_torch(t.dtype)), TensorSource(t))
