@@ -28,6 +28,11 @@ class NpucError(Exception):
         self.exit_code = exit_code
         self.details = list(details or [])  # context lines, e.g. the model's real inputs
 
+    def as_dict(self) -> dict[str, object]:
+        """The machine-readable form (`--diagnostics-format json`, precheck reports)."""
+        return {"severity": "error", "code": self.code, "message": self.message, "hint": self.hint,
+                "details": self.details, "exit_code": self.exit_code}
+
     def render(self) -> str:
         text = f"error {self.code}: {self.message}"
         for d in self.details:

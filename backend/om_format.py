@@ -109,6 +109,25 @@ class _Pending:
     chunks: Iterable[Chunk] | None
 
 
+def _remove_orphans(directory: str, prefix: str) -> None:
+    """Delete temp files that killed writers of this output left (`.<name>.<pid>.*.tmp`
+    whose process is gone); a live writer's are left alone."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not (name.startswith(prefix) and name.endswith(".tmp")):
+                continue
+            pid = name[len(prefix):].split(".", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass  # alive, but another user's
+
+
 class OmWriter:
     """Collects sections, then writes the `.om` file atomically on `close()`.
 
@@ -196,11 +215,12 @@ class OmWriter:
             cursor = offsets[-1] + sec.size
 
         directory = os.path.dirname(os.path.abspath(self._path))
+        prefix = f".{os.path.basename(self._path)}."
+        _remove_orphans(directory, prefix)
         with self._io():
             mode = stat.S_IMODE(os.stat(self._path).st_mode) if os.path.isfile(self._path) else 0o644
-            tmp = tempfile.NamedTemporaryFile(
-                dir=directory, delete=False, prefix=f".{os.path.basename(self._path)}.", suffix=".tmp"
-            )
+            tmp = tempfile.NamedTemporaryFile(dir=directory, delete=False, prefix=f"{prefix}{os.getpid()}.",
+                                              suffix=".tmp")
         try:
             with tmp as f:
                 with self._io():

@@ -8,6 +8,9 @@
     npuc dump build/model.om                 # --json: the whole model definition
     npuc info build/model.om                 # sizes, op counts, metadata (--json)
     npuc validate build/model.om             # checksums, bounds, memory plan
+    npuc export-onnx build/model.om model.onnx   # --program decode, --weights external
+    npuc check MODEL --input_shape ...       # precheck: every problem, no .om
+    npuc verify build/model.om --against MODEL [--per-layer]
 
 A user mistake prints one line (`error NPUC-E####: ...`) and a hint, and exits
 with the error's code; only `--debug` shows a traceback.
@@ -15,96 +18,99 @@ with the error's code; only `--debug` shows a traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 import click
 
 import npuc
-from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, InternalError, NpucError
-
-REPORT_URL = "the npuc issue tracker"
-
-
-def _fail(e: NpucError) -> None:
-    click.echo(f"npuc: {e.render()}", err=True)
-    sys.exit(e.exit_code)
+from npuc.cli.compile_cmd import check_cmd, compile_cmd
+from npuc.cli.diagnostics import handle_errors, report, setup
+from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 
 
-def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        debug = kwargs.get("debug", False)
+class NpucGroup(click.Group):
+    """Click's own usage errors (an unknown flag, a bad value) as npuc diagnostics:
+    one line with a code and a hint, or JSON with --diagnostics-format json."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        pairs = zip(argv, [*argv[1:], ""], strict=True)
+        fmt = "json" if any(f"{a}={b}" in ("--diagnostics-format=json", "--diagnostics_format=json")
+                            or a in ("--diagnostics-format=json", "--diagnostics_format=json") for a, b in pairs) \
+            else "text"
         try:
-            return fn(*args, **kwargs)
-        except NpucError as e:
-            if debug:
-                raise
-            _fail(e)
-        except Exception as e:  # anything else is our bug: say so, in one line
-            if debug or isinstance(e, (click.exceptions.Exit, click.ClickException)):
-                raise
-            kind = "an internal invariant broke" if isinstance(e, InternalError) else type(e).__name__
-            click.echo(f"npuc: internal error ({kind}): {str(e).splitlines()[0] if str(e) else ''}\n"
-                       f"  this is a bug in npuc, not in your model: rerun with --debug and report it to {REPORT_URL}",
-                       err=True)
-            sys.exit(EXIT_COMPILE)
-
-    return wrapper
+            return super().main(args=argv, prog_name=prog_name or "npuc", standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            sys.exit(1)
+        except click.UsageError as e:
+            cmd = e.ctx.command_path if e.ctx is not None else "npuc"
+            report(NpucError("NPUC-E0100", e.format_message(), f"see `{cmd} --help`", exit_code=EXIT_USAGE), fmt)
+            sys.exit(EXIT_USAGE)
+        except click.ClickException as e:
+            report(NpucError("NPUC-E0100", e.format_message(), "see `npuc --help`", exit_code=EXIT_USAGE), fmt)
+            sys.exit(EXIT_USAGE)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=NpucGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(npuc.__version__, "--version", prog_name="npuc", message="%(prog)s %(version)s")
 def main() -> None:
     """npuc: an ahead-of-time compiler for transformer LLMs."""
 
 
-@main.command()
-@click.argument("model", required=False)
-@click.option("--model", "model_opt", help="Model path (ATC spelling; same as the argument).")
-@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
-@click.option("--output", default=None,
-              help="Output prefix: writes <output>.om (default: the model's name, in the current folder).")
-@click.option("--soc_version", "--soc-version", "soc_version", default=None, help="Target: npu (default) or cpu.")
-@click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
-@click.option("--dump-ir-after", "--dump_ir_after", "dump_ir_after", metavar="all|PASS[,PASS...]",
-              help="Write the textual IR after these passes (and the frontend's, as 00-input.ir) into --dump-dir.")
-@click.option("--dump-dir", "--dump_dir", "dump_dir", metavar="DIR", help="Folder for --dump-ir-after's NN-PASS.ir files.")
-@click.option("--time-passes", "--time_passes", "time_passes", is_flag=True,
-              help="Print each pass's wall time, and the total, to stderr.")
-@click.option("--fusion-report", "--fusion_report", "fusion_report", metavar="FILE",
-              help="Write a JSON report: each rewrite rule's matches and refusals, what each fusion replaced, op counts.")
-@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
-              help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
-                   "allow_mix_precision_bf16.")
-@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
-              help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
-                   "(prefill + decode in one .om, for `npuc generate`).")
-@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
-              help="A file of op (node) names, one a line, that keep their original precision.")
-@handle_errors
-def compile(model: str | None, model_opt: str | None, input_shape: str | None, output: str | None,  # noqa: A001
-            soc_version: str | None, debug: bool, dump_ir_after: str | None, dump_dir: str | None,
-            time_passes: bool, fusion_report: str | None, precision_mode: str, keep_dtype: str | None,
-            max_seq_len: int | None) -> None:
-    """Compile MODEL (.onnx, .pt2 or Hugging Face checkpoint folder) to a .om file."""
-    _quiet_libraries()
-    source = model or model_opt
-    if not source:
-        raise NpucError("NPUC-E0109", "no model given", "npuc compile MODEL --input_shape ... --output PREFIX",
-                        exit_code=EXIT_USAGE)
-    from npuc.compiler.driver import compile_model
+main.add_command(compile_cmd)
+main.add_command(check_cmd)
 
-    if output is None:
-        output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
-    path = compile_model(source, input_shape=input_shape, output=output, soc_version=soc_version, debug=debug,
-                         dump_ir_after=dump_ir_after, dump_dir=dump_dir, time_passes=time_passes,
-                         fusion_report=fusion_report, precision_mode=precision_mode, keep_dtype=keep_dtype,
-                         max_seq_len=max_seq_len)
-    click.echo(f"wrote {path}")
+
+@main.command()
+@click.argument("om")
+@click.option("--against", required=True, metavar="SOURCE",
+              help="The model the .om was compiled from: .onnx, .pt2 or a Hugging Face folder.")
+@click.option("--inputs", "inputs_dir", default=None, metavar="DIR",
+              help="A folder with <input name>.npy per model input (default: random, seeded).")
+@click.option("--atol", type=float, default=1e-4, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=float, default=1e-3, show_default=True, help="Relative tolerance.")
+@click.option("--per-layer", "--per_layer", "per_layer", is_flag=True,
+              help="Also compare intermediates at fusion boundaries and name the first op that diverges.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--json", "as_json", is_flag=True, help="The report as one JSON object.")
+@click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
+              type=click.Choice(["text", "json"]))
+@click.option("--debug", is_flag=True)
+@handle_errors
+def verify(om: str, against: str, inputs_dir: str | None, atol: float, rtol: float, per_layer: bool,
+           seed: int, as_json: bool, diagnostics_format: str, debug: bool) -> None:
+    """Run a .om and its source (onnxruntime, or torch) on the same inputs and compare the outputs:
+    max abs and rel error and cosine per output; exit 1 past --atol/--rtol."""
+    from npuc.compiler.verify import render_report, report_json, verify_failure
+    from npuc.compiler.verify import verify as run_verify
+
+    setup("warning", diagnostics_format)
+    rep = run_verify(om, against, inputs_dir, atol, rtol, per_layer, seed)
+    click.echo(json.dumps(report_json(rep), indent=2, sort_keys=True) if as_json else render_report(rep))
+    if not rep.ok:
+        raise verify_failure(rep)
+
+
+@main.command("export-onnx")
+@click.argument("om")
+@click.argument("out")
+@click.option("--program", default=None, help="Which program to export (prefill or decode); the first by default.")
+@click.option("--weights", type=click.Choice(["auto", "embed", "external"]), default="auto", show_default=True,
+              help="Weights in the .onnx (embed, below 2 GiB), in OUT.data beside it (external), "
+                   "or embedded up to 1.5 GiB (auto).")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def export_onnx_cmd(om: str, out: str, program: str | None, weights: str, debug: bool) -> None:
+    """Write a .om's optimised graph as ONNX (opset 18; fused ops in the custom domain npuc), to view in
+    Netron. KV caches become inputs <state> and outputs <state>.out."""
+    from npuc.runtime.export_onnx import export_onnx
+
+    click.echo(export_onnx(om, out, program=program, weights=weights).render())
 
 
 def _parse_input_flag(items: tuple[str, ...]) -> dict[str, str]:
@@ -221,8 +227,6 @@ def dump(om: str, summary: bool, as_json: bool, debug: bool) -> None:
 @handle_errors
 def info(om: str, as_json: bool, debug: bool) -> None:
     """Summarise a .om: sections, weight/arena/lower-bound bytes, op and unit counts, metadata."""
-    import json
-
     from npuc.runtime.om_tools import model_info, render_info
 
     facts = model_info(om)
@@ -238,15 +242,6 @@ def validate(om: str, debug: bool) -> None:
     from npuc.runtime.om_tools import validate_om
 
     click.echo(validate_om(om))
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import difflib
 import functools
 import hashlib
 import json
@@ -21,10 +22,11 @@ from npuc.backend.targets import check_dtypes, check_fits, get_target
 from npuc.backend.writer import write_om
 from npuc.compiler import instrument
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
+from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
-from npuc.ir import DType, Graph
+from npuc.ir import DType, Graph, Value, distinct_outputs
 from npuc.passes.kv_cache import KVCache
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
@@ -203,20 +205,25 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     return decode, tables
 
 
-def _generation_meta(model: Any, max_seq_len: int) -> dict[str, str]:
+def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list[str]]:
+    """Generation metadata (the end-of-sequence ids, from the checkpoint's generation
+    config or config), and the files read for it."""
     meta = {"programs": "prefill,decode", "max_seq_len": str(max_seq_len)}
+    read: list[str] = []
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         for fname in ("generation_config.json", "config.json"):
+            path = os.path.join(model, fname)
             try:
-                with open(os.path.join(model, fname)) as f:
+                with open(path) as f:
                     eos = json.load(f).get("eos_token_id")
             except (OSError, ValueError):
                 continue
+            read.append(path)
             if eos is not None:
                 ids = eos if isinstance(eos, list) else [eos]
                 meta["eos_token_id"] = ",".join(str(int(i)) for i in ids)
                 break
-    return meta
+    return meta, read
 
 
 # What transformers' tokenizers are saved as; stored in the .om so `npuc generate --prompt` works.
@@ -224,18 +231,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-def _tokenizer_section(model: Any) -> dict[str, bytes]:
+def _tokenizer_section(model: Any) -> tuple[dict[str, bytes], list[str]]:
+    """The `tokenizer` section (the folder's tokenizer files), and the files read."""
     if not (isinstance(model, (str, os.PathLike)) and os.path.isdir(model)):
-        return {}
-    files = {}
+        return {}, []
+    files, read = {}, []
     for fname in TOKENIZER_FILES:
         path = os.path.join(model, fname)
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 files[fname] = base64.b64encode(f.read()).decode("ascii")
+            read.append(path)
     if "tokenizer.json" not in files and "tokenizer.model" not in files and "vocab.json" not in files:
-        return {}
-    return {"tokenizer": json.dumps(files, sort_keys=True).encode()}
+        return {}, read
+    return {"tokenizer": json.dumps(files, sort_keys=True).encode()}, read
 
 
 def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None) -> frozenset[str]:
@@ -268,6 +277,11 @@ def compile_model(
     precision_mode: str = "must_keep_origin_dtype",
     keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None,
     max_seq_len: int | None = None,
+    out_nodes: str | Sequence[str] | None = None,
+    input_format: str = "ND",
+    depfile: str | os.PathLike[str] | None = None,
+    extra_deps: Sequence[str] = (),
+    progress: Progress | None = None,
 ) -> str:
     """Compile `model` to `<output>.om` and return that path.
 
@@ -280,14 +294,15 @@ def compile_model(
     `max_seq_len` makes a causal LM's `.om` hold two programs over one KV cache of
     that many positions: `prefill` (the --input_shape length, from position 0) and
     `decode` (one token at the `position` input); see passes/kv_cache.py.
-    Every option is checked before the model is read."""
+    `out_nodes` ("name;name:1", ATC's syntax) picks the graph outputs; `input_format`
+    (ND, NCHW) is checked against the inputs and recorded. `depfile` gets Make rules
+    naming every file read (plus `extra_deps`, e.g. a config file); `progress` hears of
+    each stage. Every option is checked before the model is read."""
+    progress = progress or NullProgress()
     target = get_target(soc_version)
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
-    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
-                                    or max_seq_len < 1):
-        raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len!r} is not a positive integer",
-                        "give the longest sequence (prompt + generated tokens) to cache, e.g. --max_seq_len 2048",
-                        exit_code=EXIT_USAGE)
+    check_max_seq_len(max_seq_len)
+    input_format = check_input_format(input_format)
     kv = None
     if max_seq_len is not None:
         kv = KVCache("prefill", align_up(max_seq_len, target.matrix_tile))
@@ -300,25 +315,39 @@ def compile_model(
     report_path = os.fspath(fusion_report) if fusion_report is not None else None
     if report_path is not None:
         instrument.ensure_parent(report_path, "--fusion-report")
+    depfile_path = os.fspath(depfile) if depfile is not None else None
+    if depfile_path is not None:
+        instrument.ensure_parent(depfile_path, "--depfile")
+    progress.stage("import")
     graph, source = build_graph(model, input_shape, input_dtypes)
+    select_outputs(graph, out_nodes)
+    check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
-                     max_seq_len=max_seq_len, soc_version=soc_version)
+                     max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes,
+                     input_format=None if input_format == "ND" else input_format)
     extra: dict[str, bytes] = {}
     if max_seq_len is not None:
         assert kv is not None
+        progress.stage("trace decode")
         decode_graph, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
+        select_outputs(decode_graph, out_nodes)
         passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                                   KVCache("prefill", kv.cache_len, tables))
         graph.name = "prefill"
         decode_graph.name = "decode"
-        meta.update(_generation_meta(model, max_seq_len))
-        extra = _tokenizer_section(model)
-    run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper)
+        gen_meta, read = _generation_meta(model, max_seq_len)
+        meta.update(gen_meta)
+        extra, tok_files = _tokenizer_section(model)
+        extra_deps = [*extra_deps, *read, *tok_files]
+    progress.stage("optimise", len(passes))
+    run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper, on_pass=progress.advance)
     graphs = [run.graph]
     if max_seq_len is not None and kv is not None:
         decode_passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                                          KVCache("decode", kv.cache_len, tables, DECODE_TRACE_POSITION))
-        decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug)
+        progress.stage("optimise decode", len(decode_passes))
+        decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug,
+                                             on_pass=progress.advance)
         graphs.append(decode_run.graph)
     if time_passes:
         print(instrument.format_timings(run), file=sys.stderr)
@@ -329,12 +358,88 @@ def compile_model(
         for v in g.values():
             used.setdefault(v.type.dtype.value, set()).add(v.name)
     check_dtypes(target, used)
+    progress.stage("plan memory")
     low = lower(graphs, target, meta)
     check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
+    progress.stage("write", low.weights_bytes)
     try:
-        write_om(low, out_path, extra)
+        write_om(low, out_path, extra, on_bytes=progress.advance)
+        if depfile_path is not None:
+            deps = [*source.files, *([target.path] if target.path else []),
+                    *([os.fspath(keep_dtype)] if isinstance(keep_dtype, (str, os.PathLike)) else []), *extra_deps]
+            write_depfile(depfile_path, out_path, deps)
     except OSError as e:
-        raise NpucError("NPUC-E0406", f"cannot write {out_path!r}: {e.strerror}", "check the output path",
-                        exit_code=EXIT_IO) from None
+        raise NpucError("NPUC-E0406", f"cannot write {e.filename or out_path!r}: {e.strerror}",
+                        "check the output path", exit_code=EXIT_IO) from None
+    progress.done()
     log.info("wrote %s", out_path)
     return out_path
+
+
+def check_max_seq_len(max_seq_len: Any) -> None:
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or max_seq_len < 1):
+        raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len!r} is not a positive integer",
+                        "give the longest sequence (prompt + generated tokens) to cache, e.g. --max_seq_len 2048",
+                        exit_code=EXIT_USAGE)
+
+
+INPUT_FORMATS = ("ND", "NCHW")
+
+
+def check_input_format(fmt: str | None) -> str:
+    f = (fmt or "ND").upper()
+    if f not in INPUT_FORMATS:
+        raise NpucError("NPUC-E0128", f"--input_format {fmt!r} is not one npuc knows",
+                        f"use one of {', '.join(INPUT_FORMATS)} (ND for token ids and other plain tensors)",
+                        exit_code=EXIT_USAGE)
+    return f
+
+
+def check_input_layout(g: Graph, fmt: str) -> None:
+    """NCHW names the axes of 4-D inputs; saying it of another input is a mistake."""
+    if fmt == "NCHW":
+        bad = [f"{v.name}: {v.type}" for v in g.inputs if v.type.rank != 4]
+        if bad:
+            raise NpucError("NPUC-E0128", f"--input_format NCHW needs 4-D inputs, but {', '.join(bad)}",
+                            "use --input_format ND", exit_code=EXIT_USAGE)
+
+
+def select_outputs(g: Graph, spec: str | Sequence[str] | None) -> None:
+    """ATC's --out_nodes: "name;name:index" (a value, or a node's index-th output) become
+    the graph's outputs, in that order. Every unknown name is reported at once."""
+    if spec is None:
+        return
+    items = [s.strip() for s in (spec.split(";") if isinstance(spec, str) else spec) if s.strip()]
+    values = {v.name: v for v in g.values()}
+    picked: list[Value] = []
+    problems: list[str] = []
+    for item in items:
+        name, sep, idx = item.rpartition(":")
+        if not sep or not idx.isdigit():
+            name, idx = item, ""
+        v = values.get(name)
+        if v is not None and idx:
+            node = v.producer
+            v = node.outputs[int(idx)] if node is not None and int(idx) < len(node.outputs) else None
+        if v is None:
+            close = difflib.get_close_matches(name, list(values), n=1)
+            problems.append(repr(item) + (f" (closest: {close[0]!r})" if close else ""))
+        else:
+            picked.append(v)
+    if problems or not picked:
+        raise NpucError("NPUC-E0127", f"--out_nodes: no value {', '.join(problems) or 'named'}",
+                        "name values as `npuc compile --dump-ir-after=all` shows them (the frontend's 00-input.ir), "
+                        "or node:index", exit_code=EXIT_USAGE)
+    g.set_outputs(distinct_outputs(g, picked))
+
+
+def _make_escape(path: str) -> str:
+    return path.replace("\\", "\\\\").replace(" ", "\\ ").replace("#", "\\#").replace("$", "$$")
+
+
+def write_depfile(path: str, target: str, deps: Sequence[str]) -> None:
+    """Make syntax: `target: dep dep ...`, absolute paths, written atomically."""
+    seen = list(dict.fromkeys(os.path.abspath(d) for d in deps))
+    text = _make_escape(os.path.abspath(target)) + ": " + " \\\n  ".join(_make_escape(d) for d in seen) + "\n"
+    instrument.write_text_atomic(path, text, "--depfile")

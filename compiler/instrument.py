@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +178,7 @@ class PipelineRun:
 
 
 def run_pipeline(g: Graph, passes: Sequence[Pass], *, verify_each: bool = False,
-                 dumper: IRDumper | None = None) -> PipelineRun:
+                 dumper: IRDumper | None = None, on_pass: Callable[[int], None] | None = None) -> PipelineRun:
     """Run `passes` over `g` with the PassManager, recording each run and dumping as asked."""
     runs: list[PassRun] = []
     provenance = Provenance(g)
@@ -192,6 +192,8 @@ def run_pipeline(g: Graph, passes: Sequence[Pass], *, verify_each: bool = False,
         provenance.after(graph, details.get("fusions", []))
         if dumper is not None:
             dumper.after(i, p, graph)
+        if on_pass is not None:
+            on_pass(1)
 
     pm.on_after = after
     if dumper is not None:

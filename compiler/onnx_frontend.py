@@ -236,10 +236,10 @@ class _Ctx:
         return v if v.type.shape == shape else self.one("reshape", [v], {"shape": shape})
 
 
-def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
-    proto = model.proto
+def check_supported(model: OnnxModel) -> None:
+    """Every operator npuc cannot convert, in one error (needs no input shapes)."""
     bad: Counter[str] = Counter()
-    for n in proto.graph.node:
+    for n in model.proto.graph.node:
         domain = n.domain or "ai.onnx"
         if domain not in ("ai.onnx",) or n.op_type not in CONVERTERS:
             bad[f"{domain}::{n.op_type} (opset {model.opset})"] += 1
@@ -247,6 +247,11 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
         listing = ", ".join(f"{k} x{v}" for k, v in sorted(bad.items()))
         raise NpucError("NPUC-E0301", f"the model uses {len(bad)} operator(s) npuc does not support: {listing}",
                         "see docs/ops.md for the supported operators", exit_code=EXIT_UNSUPPORTED)
+
+
+def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
+    proto = model.proto
+    check_supported(model)
     expected = _inferred_types(proto, shapes)
     g = Graph(proto.graph.name or "main")
     ctx = _Ctx(g, model.opset)

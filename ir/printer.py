@@ -73,3 +73,23 @@ def print_graph(g: Graph) -> str:
     lines.append("  return " + ", ".join(v.ref() for v in g.outputs))
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def graph_to_json(g: Graph) -> dict[str, Any]:
+    """The graph as plain JSON data (`npuc compile --mode=1 --model ...`): what the text
+    form says, keyed for tools. Attribute values are their text form."""
+
+    def ty(v: Any) -> dict[str, Any]:
+        return {"name": v.name, "dtype": v.type.dtype.value, "shape": list(v.type.shape)}
+
+    return {
+        "name": g.name,
+        "inputs": [ty(v) for v in g.inputs],
+        "states": [ty(v) for v in g.states.values()],
+        "constants": [ty(v) for v in g.constants.values()],
+        "nodes": [{"op": n.op, "name": n.name, "inputs": [v.name for v in n.inputs],
+                   "outputs": [ty(v) for v in n.outputs],
+                   "attrs": {k: format_attr(n.attrs[k]) for k in sorted(n.attrs)}} for n in g.nodes],
+        "outputs": [v.name for v in g.outputs],
+        "state_updates": {k: v.name for k, v in g.state_updates.items()},
+    }

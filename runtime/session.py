@@ -14,7 +14,7 @@ region, allocated and zeroed once at load, which persists across runs until
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,7 @@ class _Step:
     outputs: tuple[int, ...]
     attrs: Mapping[str, Any]  # with the schema's defaults filled in
     workspace: int | None = None
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Session:
                 steps = [
                     _Step(od, tuple(o.inputs), tuple(o.outputs),
                           od.full_attrs({a.name: _attr(a.value) for a in o.attrs}),
-                          o.workspace if o.HasField("workspace") else None)
+                          o.workspace if o.HasField("workspace") else None, o.name)
                     for o in prog.ops for od in (get_op(o.op),)]
             except AssertionError as e:
                 raise NpucError("NPUC-E0408", f"the .om uses an op this runtime does not know: {e}",
@@ -156,11 +157,13 @@ class Session:
                             "its programs are " + ", ".join(self.programs), exit_code=EXIT_USAGE)
         return self.programs[name]
 
-    def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True
-            ) -> dict[str, torch.Tensor]:
+    def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True,
+            on_step: Callable[[str, str, list[torch.Tensor]], None] | None = None) -> dict[str, torch.Tensor]:
         """Run `program` (the first one by default) on `inputs` (name -> array). With
         `copy_outputs=False` the outputs are views of the arena, valid until the next run
-        (a decode loop then allocates nothing)."""
+        (a decode loop then allocates nothing). `on_step(op name, op, outputs)` is called
+        after each op with views of its results (valid only during the call), for tools
+        that compare intermediates (`npuc verify --per-layer`)."""
         p = self._program(program)
         names = {t.name for t in p.inputs}
         unknown = sorted(set(inputs) - names)
@@ -190,11 +193,12 @@ class Session:
         with torch.no_grad():
             for ins, outs, ws, st in self._bound[p.name]:
                 od = st.opdef
-                if od.out_kernel is not None and od.out_kernel(ins, st.attrs, outs, ws):
-                    continue  # written in place, nothing allocated
-                results = od.run(ins, st.attrs)
-                for dst, r in zip(outs, results, strict=True):
-                    if r.data_ptr() != dst.data_ptr():  # a view or an in-place write is there already
-                        dst.copy_(r)
+                if od.out_kernel is None or not od.out_kernel(ins, st.attrs, outs, ws):
+                    results = od.run(ins, st.attrs)
+                    for dst, r in zip(outs, results, strict=True):
+                        if r.data_ptr() != dst.data_ptr():  # a view or an in-place write is there already
+                            dst.copy_(r)
+                if on_step is not None:
+                    on_step(st.name, od.name, outs)
         return {t.name: views[i].clone() if copy_outputs else views[i]
                 for i, t in zip(p.output_ids, p.outputs, strict=True)}

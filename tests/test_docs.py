@@ -36,3 +36,13 @@ def test_ops_doc_is_current() -> None:
 
 def test_format_doc_has_current_schema() -> None:
     assert proto_text() in (ROOT / "docs/om-format.md").read_text()
+
+
+def test_user_guide_lists_every_compile_flag() -> None:
+    from npuc.cli.compile_cmd import compile_cmd
+
+    guide = (ROOT / "docs/user-guide.md").read_text()
+    table = guide[guide.index("| flag | meaning |"):guide.index("### Precheck")]
+    missing = [p.opts[0] for p in compile_cmd.params
+               if p.opts[0].startswith("--") and p.opts[0] not in table and p.name not in ("model_opt", "om", "json_out")]
+    assert missing == [], f"docs/user-guide.md's flag table lacks {missing}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx_build import external_tensor  # noqa: E402
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
@@ -36,11 +37,7 @@ def _write_model(root: Path, dims: list[tuple[int, int]], name: str) -> tuple[Pa
         for i, (k, n) in enumerate(dims):
             w = ((rng.random((k, n), dtype=np.float32) - 0.5) * (2 / np.sqrt(k))).astype(np.float32)
             f.write(w.tobytes())
-            t = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=[k, n])
-            t.data_location = TensorProto.EXTERNAL
-            for key, val in (("location", data.name), ("offset", str(offset)), ("length", str(w.nbytes))):
-                t.external_data.add(key=key, value=val)
-            inits.append(t)
+            inits.append(external_tensor(f"w{i}", w, data.name, offset))
             nodes.append(helper.make_node("MatMul", ["x" if i == 0 else f"h{i - 1}", f"w{i}"],
                                           [f"h{i}" if i < len(dims) - 1 else "y"]))
             offset += w.nbytes

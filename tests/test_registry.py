@@ -344,7 +344,10 @@ def test_out_kernel_agrees_with_the_reference_kernel(name: str, c: Case) -> None
         ws = torch.full((ws_bytes,), 0xFF, dtype=torch.uint8) if ws_bytes else None
         assert od.out_kernel is not None
         if not od.out_kernel(ins, od.full_attrs(c.attrs), outs, ws):
-            pytest.skip("declined: the reference kernel runs")
+            # Declined (f16 norms, negative gather indices, ...): the runtime runs the
+            # reference kernel instead, which the tests above cover.
+            assert all(bool(o.isnan().all()) for o in outs if o.is_floating_point()), "declined after writing"
+            return
     for got, w in zip(outs, want, strict=True):
         assert got.dtype == w.dtype and got.shape == w.shape
         assert torch.allclose(got, w, rtol=1e-6, atol=1e-6, equal_nan=True), (got, w)

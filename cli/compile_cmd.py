@@ -1,0 +1,260 @@
+"""`npuc compile` with ATC's flags, and `npuc check` (the precheck).
+
+    npuc compile --model=model.onnx --framework=5 --input_shape="input_ids:1,2048" --output=build/model \
+                 --soc_version=npu --precision_mode=allow_fp32_to_fp16 --log=info
+    npuc compile --mode=1 --om build/model.om --json model.json      # the .om as JSON (ATC --mode=1)
+    npuc compile --mode=1 --model model.onnx --json model.json       # the imported graph as JSON
+    npuc compile --mode=3 --model model.onnx --input_shape ...       # precheck only (= npuc check)
+    npuc compile --mode=6 --om build/model.om                        # model info (= npuc info)
+    npuc compile --config npuc.toml [--print-config]
+
+`--flag=value` and `--flag value` both work, and every snake_case flag has a
+kebab-case spelling. A `--config` TOML file gives any option by its flag name
+(`input_shape = "input_ids:1,16"`); flags on the command line win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+from typing import Any
+
+import click
+
+from npuc.cli.diagnostics import LOG_LEVELS, handle_errors, report, setup
+from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
+
+# ATC's --framework numbers; npuc reads ONNX (5) and, beyond ATC, torch programs and HF folders.
+FRAMEWORKS = {"5": "onnx", "onnx": "onnx", "pt2": "pt2", "hf": "hf"}
+ATC_ONLY = {"0": "Caffe", "1": "MindSpore", "3": "TensorFlow"}
+MODES = {"0": "compile", "1": "to JSON", "3": "precheck", "6": "model info"}
+
+
+def detect_framework(path: str) -> str:
+    if path.endswith(".onnx"):
+        return "onnx"
+    if path.endswith(".pt2"):
+        return "pt2"
+    if os.path.isdir(path):
+        return "hf"
+    raise NpucError("NPUC-E0103", f"cannot tell what kind of model {path!r} is",
+                    "give an .onnx or .pt2 file or a Hugging Face checkpoint folder, or say --framework",
+                    exit_code=EXIT_USAGE)
+
+
+def check_framework(framework: str | None, path: str) -> str | None:
+    """The model's kind, from --framework checked against the file (None: the path does
+    not exist; the loader says so with its own error)."""
+    if not os.path.exists(path):
+        return None
+    found = detect_framework(path)
+    if framework is None:
+        return found
+    f = framework.strip().lower()
+    if f in ATC_ONLY:
+        raise NpucError("NPUC-E0130", f"--framework {framework} ({ATC_ONLY[f]}) is not supported",
+                        "npuc reads ONNX (--framework 5 or onnx), .pt2 (pt2) and Hugging Face folders (hf)",
+                        exit_code=EXIT_UNSUPPORTED)
+    if f not in FRAMEWORKS:
+        raise NpucError("NPUC-E0130", f"unknown --framework {framework!r}",
+                        "use 5 or onnx, pt2, or hf", exit_code=EXIT_USAGE)
+    if FRAMEWORKS[f] != found:
+        raise NpucError("NPUC-E0130", f"--framework {framework} says {FRAMEWORKS[f]}, but {path!r} is {found}",
+                        "leave --framework out to detect it from the file", exit_code=EXIT_USAGE)
+    return found
+
+
+def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Eager: the config file's values become the defaults of every other option."""
+    if value is None:
+        return None
+    try:
+        with open(value, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {value!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{value!r} is not valid TOML: {e}") from None
+    known = {p.name: p for p in ctx.command.params if p.name not in ("config", "print_config")}
+    options = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise click.BadParameter(f"{value!r} sets unknown option(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(known))}")
+    ctx.default_map = {**(ctx.default_map or {}), **options}
+    return value
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def effective_config(params: dict[str, Any]) -> str:
+    """The options in force, as TOML that --config reads back."""
+    skip = {"config", "print_config", "model"}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in sorted(params.items())
+             if k not in skip and v is not None and v is not False and v != ()]
+    return "\n".join(lines) + "\n"
+
+
+@click.command("compile")
+@click.argument("model", required=False)
+@click.option("--config", callback=_load_config, is_eager=True, expose_value=True, metavar="FILE",
+              help="A TOML file of options (flag names as keys); command-line flags win.")
+@click.option("--print-config", "--print_config", "print_config", is_flag=True,
+              help="Print the options in force (as TOML) and exit.")
+@click.option("--model", "model_opt", help="Model path (ATC spelling; same as the argument).")
+@click.option("--framework", default=None, help="5 or onnx, pt2, hf (detected from the file when omitted).")
+@click.option("--mode", default="0", type=click.Choice(list(MODES)),
+              help="0 compile (default), 1 convert to JSON, 3 precheck only, 6 model info.")
+@click.option("--om", "om", default=None, help="--mode 1/6: the .om to read.")
+@click.option("--json", "json_out", default=None, metavar="FILE",
+              help="--mode 1: the JSON to write; --mode 3: the precheck report.")
+@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
+@click.option("--input_format", "--input-format", "input_format", default="ND",
+              help="ND (default) or NCHW (4-D inputs).")
+@click.option("--output", default=None,
+              help="Output prefix: writes <output>.om (default: the model's name, in the current folder).")
+@click.option("--soc_version", "--soc-version", "soc_version", default=None,
+              help="Target: npu (default), cpu, or a target .toml file.")
+@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
+              help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
+                   "allow_mix_precision_bf16.")
+@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
+              help="A file of op (node) names, one a line, that keep their original precision.")
+@click.option("--out_nodes", "--out-nodes", "out_nodes", default=None, metavar='"NAME;NAME:INDEX"',
+              help="The graph outputs: value names, or node:output index, separated by ';'.")
+@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
+              help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
+                   "(prefill + decode in one .om, for `npuc generate`).")
+@click.option("--depfile", default=None, metavar="FILE",
+              help="Write Make rules naming every file the compile read (for Make, Ninja, CMake DEPFILE).")
+@click.option("--log", "log", default="warning", type=click.Choice(list(LOG_LEVELS)),
+              help="Log level on stderr: debug, info, warning (default), error, null.")
+@click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
+              type=click.Choice(["text", "json"]), help="json: errors and logs as JSON lines, nothing else on stderr.")
+@click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
+@click.option("--dump-ir-after", "--dump_ir_after", "dump_ir_after", metavar="all|PASS[,PASS...]",
+              help="Write the textual IR after these passes (and the frontend's, as 00-input.ir) into --dump-dir.")
+@click.option("--dump-dir", "--dump_dir", "dump_dir", metavar="DIR", help="Folder for --dump-ir-after's NN-PASS.ir files.")
+@click.option("--time-passes", "--time_passes", "time_passes", is_flag=True,
+              help="Print each pass's wall time, and the total, to stderr.")
+@click.option("--fusion-report", "--fusion_report", "fusion_report", metavar="FILE",
+              help="Write a JSON report: each rewrite rule's matches and refusals, what each fusion replaced, op counts.")
+@click.pass_context
+@handle_errors
+def compile_cmd(ctx: click.Context, **opts: Any) -> None:
+    """Compile MODEL (.onnx, .pt2 or Hugging Face checkpoint folder) to a .om file."""
+    setup(opts["log"], opts["diagnostics_format"])
+    if opts["print_config"]:
+        click.echo(effective_config({**opts, "model": None}), nl=False)
+        return
+    mode = opts["mode"]
+    if mode == "6":
+        return _mode_info(opts)
+    if mode == "1":
+        return _mode_json(opts)
+    source = opts["model"] or opts["model_opt"]
+    if not source:
+        raise NpucError("NPUC-E0109", "no model given", "npuc compile MODEL --input_shape ... --output PREFIX",
+                        exit_code=EXIT_USAGE)
+    check_framework(opts["framework"], source)
+    common = dict(input_shape=opts["input_shape"], soc_version=opts["soc_version"],
+                  precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
+                  max_seq_len=opts["max_seq_len"], out_nodes=opts["out_nodes"], input_format=opts["input_format"])
+    if mode == "3":
+        return _precheck(source, opts["json_out"], common, opts["diagnostics_format"])
+    from npuc.compiler.driver import compile_model
+    from npuc.compiler.progress import NullProgress, RichProgress
+
+    output = opts["output"]
+    if output is None:
+        output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
+    show = sys.stderr.isatty() and opts["diagnostics_format"] == "text" and opts["log"] != "null"
+    progress = RichProgress() if show else NullProgress()
+    try:
+        path = compile_model(source, output=output, debug=opts["debug"], dump_ir_after=opts["dump_ir_after"],
+                             dump_dir=opts["dump_dir"], time_passes=opts["time_passes"],
+                             fusion_report=opts["fusion_report"], depfile=opts["depfile"],
+                             extra_deps=[opts["config"]] if opts["config"] else [], progress=progress, **common)
+    finally:
+        progress.done()
+    click.echo(f"wrote {path}")
+
+
+def _precheck(source: str, json_out: str | None, common: dict[str, Any], fmt: str) -> None:
+    from npuc.compiler import instrument
+    from npuc.compiler.precheck import precheck
+
+    rep = precheck(source, **common)
+    if json_out:
+        instrument.ensure_parent(json_out, "--json")
+        instrument.write_text_atomic(json_out, json.dumps(rep.as_dict(), indent=2, sort_keys=True) + "\n", "--json")
+    click.echo(rep.render())
+    if fmt == "json":
+        for p in rep.problems:
+            report(p, fmt)
+    if not rep.ok:
+        sys.exit(max(p.exit_code for p in rep.problems))
+
+
+def _mode_info(opts: dict[str, Any]) -> None:
+    if not opts["om"]:
+        raise NpucError("NPUC-E0109", "--mode 6 needs --om MODEL.om", "npuc compile --mode=6 --om build/model.om",
+                        exit_code=EXIT_USAGE)
+    from npuc.runtime.om_tools import model_info, render_info
+
+    click.echo(render_info(opts["om"], model_info(opts["om"])))
+
+
+def _mode_json(opts: dict[str, Any]) -> None:
+    om, model = opts["om"], opts["model"] or opts["model_opt"]
+    if bool(om) == bool(model) or not opts["json_out"]:
+        raise NpucError("NPUC-E0109", "--mode 1 needs --json FILE and one of --om MODEL.om or --model MODEL",
+                        "npuc compile --mode=1 --om build/model.om --json model.json", exit_code=EXIT_USAGE)
+    from npuc.compiler import instrument
+
+    if om:
+        from npuc.runtime.om_tools import dump_json
+
+        text = dump_json(om)
+    else:
+        from npuc.compiler.driver import build_graph
+        from npuc.ir.printer import graph_to_json
+
+        check_framework(opts["framework"], model)
+        graph, _ = build_graph(model, opts["input_shape"])
+        text = json.dumps(graph_to_json(graph), indent=2, sort_keys=True)
+    try:
+        instrument.ensure_parent(opts["json_out"], "--json")
+        instrument.write_text_atomic(opts["json_out"], text + "\n", "--json")
+    except OSError as e:
+        raise NpucError("NPUC-E0406", f"cannot write {opts['json_out']!r}: {e.strerror}", "check the path",
+                        exit_code=EXIT_IO) from None
+    click.echo(f"wrote {opts['json_out']}")
+
+
+@click.command("check")
+@click.argument("model")
+@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
+@click.option("--soc_version", "--soc-version", "soc_version", default=None)
+@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype")
+@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE")
+@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N")
+@click.option("--out_nodes", "--out-nodes", "out_nodes", default=None)
+@click.option("--input_format", "--input-format", "input_format", default="ND")
+@click.option("--json", "json_out", default=None, metavar="FILE", help="Write the report as JSON.")
+@click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
+              type=click.Choice(["text", "json"]))
+@click.option("--debug", is_flag=True)
+@handle_errors
+def check_cmd(model: str, json_out: str | None, diagnostics_format: str, debug: bool, **common: Any) -> None:
+    """Precheck MODEL: list every problem a compile would hit, without writing a .om."""
+    setup("warning", diagnostics_format)
+    _precheck(model, json_out, common, diagnostics_format)

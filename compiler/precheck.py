@@ -1,0 +1,123 @@
+"""Precheck (`npuc check MODEL`, `npuc compile --mode=3`): every problem, no `.om`.
+
+Runs what a compile runs, but records each user error and goes on where the
+next check does not depend on the failed one: option errors fall back to the
+defaults; ONNX operators are checked without shapes; the pipeline, the target's
+dtypes and its capacity are checked once the graph imports. A check that cannot
+run says so in `skipped`. The report is JSON (`npuc-precheck/1`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from npuc.backend.lower import lower
+from npuc.backend.memory_plan import align_up
+from npuc.backend.targets import check_dtypes, check_fits, get_target
+from npuc.compiler import instrument
+from npuc.compiler.driver import (
+    DECODE_TRACE_POSITION,
+    _decode_inputs,
+    build_graph,
+    check_input_format,
+    check_input_layout,
+    check_max_seq_len,
+    read_keep_dtype,
+    select_outputs,
+)
+from npuc.errors import NpucError
+from npuc.ir import Graph
+from npuc.passes.kv_cache import KVCache
+from npuc.passes.pipeline import default_pipeline
+from npuc.passes.precision import check_mode
+
+FORMAT = "npuc-precheck/1"
+R = TypeVar("R")
+
+
+@dataclass
+class PrecheckReport:
+    model: str
+    problems: list[NpucError] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "model": self.model, "ok": self.ok, "checked": self.checked,
+                "skipped": self.skipped, "problems": [p.as_dict() for p in self.problems]}
+
+    def render(self) -> str:
+        head = (f"precheck {self.model}: " + ("ok" if self.ok else f"{len(self.problems)} problem(s)")
+                + f" ({len(self.checked)} checks" + (f", {len(self.skipped)} skipped)" if self.skipped else ")"))
+        lines = [head] + [f"  {p.render()}".replace("\n", "\n  ") for p in self.problems]
+        lines += [f"  skipped: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = None,
+             input_dtypes: Mapping[str, Any] | None = None, precision_mode: str = "must_keep_origin_dtype",
+             keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None, max_seq_len: int | None = None,
+             out_nodes: str | Sequence[str] | None = None, input_format: str = "ND") -> PrecheckReport:
+    report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
+    seen: set[tuple[str, str]] = set()
+
+    def attempt(name: str, fn: Callable[[], R], default: R) -> R:
+        report.checked.append(name)
+        try:
+            return fn()
+        except NpucError as e:
+            if (e.code, e.message) not in seen:  # ONNX ops are checked twice: with and without shapes
+                seen.add((e.code, e.message))
+                report.problems.append(e)
+            return default
+
+    target = attempt("target", lambda: get_target(soc_version), None) or get_target(None)
+    mode = attempt("precision mode", lambda: check_mode(precision_mode), "must_keep_origin_dtype")
+    keep = attempt("keep_dtype", lambda: read_keep_dtype(keep_dtype), frozenset[str]())
+    attempt("max_seq_len", lambda: check_max_seq_len(max_seq_len), None)
+    fmt = attempt("input format", lambda: check_input_format(input_format), "ND")
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx") and os.path.isfile(model):
+        from npuc.compiler.onnx_frontend import check_supported, load_onnx
+
+        attempt("operators", lambda: check_supported(load_onnx(os.fspath(model))), None)
+    graph: Graph | None = attempt("import", lambda: build_graph(model, input_shape, input_dtypes)[0], None)
+    if graph is None:
+        report.skipped.append("outputs, pipeline, dtypes, memory: the model did not import")
+        return report
+    attempt("out_nodes", lambda: select_outputs(graph, out_nodes), None)
+    attempt("input format", lambda: check_input_layout(graph, fmt), None)
+    graphs: list[Graph] = []
+    kv = KVCache("prefill", align_up(max_seq_len, target.matrix_tile)) if max_seq_len else None
+    if kv is not None:
+        def decode() -> None:
+            dg, tables = _decode_inputs(model, graph, max_seq_len or 0, input_dtypes)
+            select_outputs(dg, out_nodes)
+            for g, role in ((graph, "prefill"), (dg, "decode")):
+                pos = DECODE_TRACE_POSITION if role == "decode" else 0
+                passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
+                                          KVCache(role, kv.cache_len, tables, pos))
+                graphs.append(instrument.run_pipeline(g, passes).graph)
+        attempt("generation (prefill + decode)", decode, None)
+    else:
+        attempt("pipeline", lambda: graphs.append(instrument.run_pipeline(
+            graph, default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim)).graph), None)
+    if not graphs:
+        report.skipped.append("dtypes, memory: the pipeline did not finish")
+        return report
+    used: dict[str, set[str]] = {}
+    for g in graphs:
+        for v in g.values():
+            used.setdefault(v.type.dtype.value, set()).add(v.name)
+    attempt("target dtypes", lambda: check_dtypes(target, used), None)
+    low = attempt("memory plan", lambda: lower(graphs, target), None)
+    if low is not None:
+        attempt("target capacity", lambda: check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes),
+                None)
+    return report
