@@ -158,6 +158,7 @@ class Graph:
         self.states: dict[str, Value] = {}
         self.state_updates: dict[str, Value] = {}
         self._names: set[str] = set()
+        self._live: set[int] = set()  # ids of the nodes in `nodes`, for O(1) membership
         self._counter = 0
 
     # -- naming ---------------------------------------------------------------
@@ -200,6 +201,9 @@ class Graph:
             raise InternalError(f"{value.ref()} cannot update {state.ref()}")
         self.state_updates[state.name] = value
 
+    def has_node(self, node: Node) -> bool:
+        return id(node) in self._live and node.graph is self
+
     def root_ids(self) -> set[int]:
         """Ids of the values read after the run: graph outputs and states' new values."""
         return {id(v) for v in self.outputs} | {id(v) for v in self.state_updates.values()}
@@ -230,6 +234,7 @@ class Graph:
             out.producer = node
             out.index = i
             node.outputs.append(out)
+        self._live.add(id(node))
         if before is None:
             self.nodes.append(node)
         else:
@@ -257,6 +262,7 @@ class Graph:
         for i, v in enumerate(node.inputs):
             v.uses.remove((node, i))
         self.nodes.remove(node)
+        self._live.discard(id(node))
         for out in node.outputs:
             self._names.discard(out.name)
 

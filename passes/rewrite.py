@@ -313,7 +313,7 @@ class RewriteEngine:
         for _ in range(self.max_rounds):
             changed = False
             for node in list(g.nodes):
-                if node.graph is not g or node not in g.nodes or len(node.outputs) != 1:
+                if not g.has_node(node) or len(node.outputs) != 1:
                     continue
                 for rule in self.rules:
                     if self._try(g, rule, node):
