@@ -19,14 +19,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from npuc.backend.memory_plan import Buffer, Plan, align_up, plan_memory, validate_plan
 from npuc.backend.om_schema import AttrValue, ModelDef
 from npuc.backend.targets import Target
 from npuc.errors import InternalError
 from npuc.ir import DType, Graph, Value, get_op
 from npuc.ir.evaluate import LazyFoldSource
+from npuc.ir.graph import byte_view
 
 
 @dataclass
@@ -133,7 +132,7 @@ def _const_fingerprint(src: Any) -> Any:
     if getattr(src, "in_memory", True):
         t = src.load().contiguous()
         return ("data", str(t.dtype), tuple(t.shape),
-                hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+                hashlib.sha256(byte_view(t).numpy().tobytes()).hexdigest())
     return ("file", src.describe())
 
 
@@ -278,7 +277,7 @@ def _weight_bytes(v: Value) -> Iterator[bytes | memoryview]:
             raise InternalError(f"weight {v.name} loads as {t.dtype}{list(t.shape)}, expected {want}")
         t = t.to(want.dtype.torch).reshape(want.shape)
     if t.numel():
-        yield memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        yield memoryview(byte_view(t).numpy())
 
 
 def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]:

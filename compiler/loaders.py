@@ -53,6 +53,42 @@ class SafetensorsSource:
         return f"{os.path.basename(self.path)}:{self.key}"
 
 
+class StackedExpertsSource:
+    """A fused experts parameter (transformers' `experts.gate_up_proj` [E, 2I, H] or
+    `experts.down_proj` [E, H, I]) from a checkpoint that stores one tensor per expert:
+    each part stacked over the experts, the parts concatenated along dim 1."""
+
+    in_memory = False
+
+    def __init__(self, parts: list[list[SafetensorsSource]]) -> None:
+        self.parts = parts
+
+    def load(self) -> torch.Tensor:
+        return torch.cat([torch.stack([s.load() for s in experts]) for experts in self.parts], dim=1)
+
+    def describe(self) -> str:
+        first = self.parts[0][0]
+        return f"{len(self.parts[0])} experts from {os.path.basename(first.path)}:{first.key}..."
+
+
+# transformers' fused experts parameters, and the per-expert checkpoint tensors they stack.
+_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _experts_source(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    index: dict[str, Any]) -> StackedExpertsSource | None:
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith("experts") or leaf not in _EXPERT_PARTS or len(shape) != 3:
+        return None
+    parts = []
+    for part in _EXPERT_PARTS[leaf]:
+        keys = [f"{prefix}.{e}.{part}.weight" for e in range(shape[0])]
+        if not all(k in index for k in keys):
+            return None
+        parts.append([SafetensorsSource(index[k][0], k, dtype, index[k][1]) for k in keys])
+    return StackedExpertsSource(parts)
+
+
 @dataclass
 class LoadedModel:
     module: nn.Module
@@ -171,7 +207,10 @@ def load_hf_dir(path: Path) -> LoadedModel:
                         "save the model with save_pretrained(..., safe_serialization=True)", exit_code=EXIT_IO)
     try:
         with _parameters_without_memory():
-            module = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            # Mixture-of-experts layers: transformers' batched_mm experts gather each token's
+            # expert weights with static shapes, where its default loops over the experts hit.
+            module = auto.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                      experts_implementation="batched_mm")
     except ValueError as e:
         raise NpucError("NPUC-E0306", f"transformers cannot build {archs or config.model_type}: {e}",
                         "check that your transformers version supports this architecture",
@@ -189,11 +228,15 @@ def load_hf_dir(path: Path) -> LoadedModel:
     for pid, names in owners.items():
         p = params[pid]
         key = next((n for n in names if n in index), None)
-        if key is None:
+        src: ConstSource | None = None
+        if key is not None:
+            file, layout = index[key]
+            src = SafetensorsSource(file, key, p.dtype, layout)
+        else:
+            src = _experts_source(names[0], tuple(p.shape), p.dtype, index)
+        if src is None:
             missing.append(names[0])
             continue
-        file, layout = index[key]
-        src = SafetensorsSource(file, key, p.dtype, layout)
         for n in names:
             sources[n] = src
     if missing:

@@ -330,6 +330,46 @@ def _index(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     return ctx.emit("index", [ctx.value(a["self"])] + [ctx.value(i) for i in idx], like=node)
 
 
+@converts("aten.topk.default")
+def _topk(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> list[Value]:
+    # Always sorted: torch's sorted=False leaves the order unspecified, so sorted is one valid answer.
+    x = ctx.value(a["self"])
+    attrs = {"k": a["k"], "axis": a.get("dim", -1) % x.type.rank, "largest": a.get("largest", True)}
+    return ctx.emit("topk", [x], attrs, name=node.name)
+
+
+@converts("aten.gather.default")
+def _gather_elements(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    x = ctx.value(a["self"])
+    return ctx.emit("gather_elements", [x, ctx.value(a["index"])], {"axis": a["dim"] % x.type.rank}, like=node)
+
+
+@converts("aten.scatter.value", "aten.scatter.src")
+def _scatter(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    x, idx = ctx.value(a["self"]), ctx.value(a["index"])
+    if "src" in a:
+        src = ctx.value(a["src"])
+    else:  # a scalar scattered: broadcast to the index's shape
+        src = ctx.emit("expand", [ctx.scalar(a["value"], x.type.dtype)], {"shape": idx.type.shape},
+                       name=f"{node.name}_value")
+    return ctx.emit("scatter_elements", [x, idx, src], {"axis": a["dim"] % x.type.rank}, like=node)
+
+
+@converts("aten.repeat_interleave.self_int")
+def _repeat_interleave(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    """x.repeat_interleave(r, dim): each slice along dim r times, as unsqueeze-expand-reshape."""
+    x = ctx.value(a["self"])
+    r, dim = a["repeats"], a.get("dim")
+    if dim is None:
+        raise NpucError("NPUC-E0304", f"{node.name}: repeat_interleave without dim is not supported",
+                        "give dim", exit_code=EXIT_UNSUPPORTED)
+    d = dim % x.type.rank
+    shape = x.type.shape
+    y = ctx.emit("reshape", [x], {"shape": shape[:d + 1] + (1,) + shape[d + 1:]}, name=f"{node.name}_unsq")
+    y = ctx.emit("expand", [y], {"shape": shape[:d + 1] + (r,) + shape[d + 1:]}, name=f"{node.name}_rep")
+    return ctx.emit("reshape", [y], {"shape": _meta_type(node).shape}, like=node)
+
+
 @converts("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
 def _arange(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     attrs = {"start": a.get("start", 0), "end": a["end"], "step": a.get("step", 1), "dtype": _out_dtype(node)}

@@ -54,6 +54,17 @@ class TensorSource:
         return self._origin
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in C order as a flat uint8 tensor (copied only when its layout is
+    not already dense: a broadcast constant has stride 0, even along a dim of size 1)."""
+    import torch
+
+    t = t.detach()
+    if t.numel() and (not t.is_contiguous() or any(st == 0 for st in t.stride())):
+        t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 class MissingSource:
     """The source of a constant parsed from text: the text form carries no data."""
 

@@ -16,9 +16,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from npuc.ir import Graph, TensorSource
+from npuc.ir.graph import byte_view
 from npuc.ir.printer import format_attr
 from npuc.passes.manager import Pass, PassResult
 
@@ -34,7 +33,7 @@ class CommonSubexpressionElimination(Pass):
         for c in list(g.constants.values()):
             if not isinstance(c.const, TensorSource) or c.type.nbytes > self.max_const_bytes:
                 continue
-            raw = c.const.load().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            raw = byte_view(c.const.load()).numpy().tobytes()
             key = (str(c.type), hashlib.sha256(raw).hexdigest())
             if key in seen_const:
                 g.replace_all_uses_with(c, seen_const[key])
