@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tomllib
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -103,6 +104,35 @@ def effective_config(params: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What `compile` and `check` both take: the model's shapes, target and options, and
+# how to report. One list, so the precheck checks what a compile would be given.
+_MODEL_OPTIONS = [
+    click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".'),
+    click.option("--input_format", "--input-format", "input_format", default="ND",
+                 help="ND (default) or NCHW (4-D inputs)."),
+    click.option("--soc_version", "--soc-version", "soc_version", default=None,
+                 help="Target: npu (default), cpu, or a target .toml file."),
+    click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
+                 help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
+                      "allow_mix_precision_bf16."),
+    click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
+                 help="A file of op (node) names, one a line, that keep their original precision."),
+    click.option("--out_nodes", "--out-nodes", "out_nodes", default=None, metavar='"NAME;NAME:INDEX"',
+                 help="The graph outputs: value names, or node:output index, separated by ';'."),
+    click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
+                 help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
+                      "(prefill + decode in one .om, for `npuc generate`)."),
+    click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
+                 type=click.Choice(["text", "json"]), help="json: errors and logs as JSON lines, nothing else on stderr."),
+]
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_MODEL_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 @click.command("compile")
 @click.argument("model", required=False)
 @click.option("--config", callback=_load_config, is_eager=True, expose_value=True, metavar="FILE",
@@ -114,31 +144,15 @@ def effective_config(params: dict[str, Any]) -> str:
 @click.option("--mode", default="0", type=click.Choice(list(MODES)),
               help="0 compile (default), 1 convert to JSON, 3 precheck only, 6 model info.")
 @click.option("--om", "om", default=None, help="--mode 1/6: the .om to read.")
+@model_options
 @click.option("--json", "json_out", default=None, metavar="FILE",
               help="--mode 1: the JSON to write; --mode 3: the precheck report.")
-@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
-@click.option("--input_format", "--input-format", "input_format", default="ND",
-              help="ND (default) or NCHW (4-D inputs).")
 @click.option("--output", default=None,
               help="Output prefix: writes <output>.om (default: the model's name, in the current folder).")
-@click.option("--soc_version", "--soc-version", "soc_version", default=None,
-              help="Target: npu (default), cpu, or a target .toml file.")
-@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
-              help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
-                   "allow_mix_precision_bf16.")
-@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
-              help="A file of op (node) names, one a line, that keep their original precision.")
-@click.option("--out_nodes", "--out-nodes", "out_nodes", default=None, metavar='"NAME;NAME:INDEX"',
-              help="The graph outputs: value names, or node:output index, separated by ';'.")
-@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
-              help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
-                   "(prefill + decode in one .om, for `npuc generate`).")
 @click.option("--depfile", default=None, metavar="FILE",
               help="Write Make rules naming every file the compile read (for Make, Ninja, CMake DEPFILE).")
 @click.option("--log", "log", default="warning", type=click.Choice(list(LOG_LEVELS)),
               help="Log level on stderr: debug, info, warning (default), error, null.")
-@click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
-              type=click.Choice(["text", "json"]), help="json: errors and logs as JSON lines, nothing else on stderr.")
 @click.option("--debug", is_flag=True, help="Verify the IR after every pass; show tracebacks.")
 @click.option("--dump-ir-after", "--dump_ir_after", "dump_ir_after", metavar="all|PASS[,PASS...]",
               help="Write the textual IR after these passes (and the frontend's, as 00-input.ir) into --dump-dir.")
@@ -242,16 +256,8 @@ def _mode_json(opts: dict[str, Any]) -> None:
 
 @click.command("check")
 @click.argument("model")
-@click.option("--input_shape", "--input-shape", "input_shape", help='Static input shapes: "name:d0,d1;name2:d0".')
-@click.option("--soc_version", "--soc-version", "soc_version", default=None)
-@click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype")
-@click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE")
-@click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N")
-@click.option("--out_nodes", "--out-nodes", "out_nodes", default=None)
-@click.option("--input_format", "--input-format", "input_format", default="ND")
+@model_options
 @click.option("--json", "json_out", default=None, metavar="FILE", help="Write the report as JSON.")
-@click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
-              type=click.Choice(["text", "json"]))
 @click.option("--debug", is_flag=True)
 @handle_errors
 def check_cmd(model: str, json_out: str | None, diagnostics_format: str, debug: bool, **common: Any) -> None:

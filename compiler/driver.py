@@ -18,7 +18,7 @@ import torch
 
 from npuc.backend.lower import lower
 from npuc.backend.memory_plan import align_up
-from npuc.backend.targets import check_dtypes, check_fits, get_target
+from npuc.backend.targets import Target, check_dtypes, check_fits, get_target
 from npuc.backend.writer import write_om
 from npuc.compiler import instrument
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
@@ -27,7 +27,8 @@ from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Value, distinct_outputs
-from npuc.passes.kv_cache import KVCache
+from npuc.passes.kv_cache import KVCache, RopeTables
+from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
 
@@ -303,10 +304,7 @@ def compile_model(
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
     check_max_seq_len(max_seq_len)
     input_format = check_input_format(input_format)
-    kv = None
-    if max_seq_len is not None:
-        kv = KVCache("prefill", align_up(max_seq_len, target.matrix_tile))
-    passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, kv)
+    passes = pipelines(mode, keep, target, max_seq_len)[0]  # its pass names, for --dump-ir-after
     dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
     out_path = os.fspath(output)
     if not out_path.endswith(".om"):
@@ -326,13 +324,12 @@ def compile_model(
                      max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes,
                      input_format=None if input_format == "ND" else input_format)
     extra: dict[str, bytes] = {}
+    decode_graph: Graph | None = None
     if max_seq_len is not None:
-        assert kv is not None
         progress.stage("trace decode")
         decode_graph, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
         select_outputs(decode_graph, out_nodes)
-        passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                                  KVCache("prefill", kv.cache_len, tables))
+        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables)
         graph.name = "prefill"
         decode_graph.name = "decode"
         gen_meta, read = _generation_meta(model, max_seq_len)
@@ -342,9 +339,7 @@ def compile_model(
     progress.stage("optimise", len(passes))
     run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper, on_pass=progress.advance)
     graphs = [run.graph]
-    if max_seq_len is not None and kv is not None:
-        decode_passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                                         KVCache("decode", kv.cache_len, tables, DECODE_TRACE_POSITION))
+    if decode_graph is not None:
         progress.stage("optimise decode", len(decode_passes))
         decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug,
                                              on_pass=progress.advance)
@@ -353,11 +348,7 @@ def compile_model(
         print(instrument.format_timings(run), file=sys.stderr)
     if report_path is not None:
         instrument.write_fusion_report(report_path, instrument.fusion_report(run))
-    used: dict[str, set[str]] = {}
-    for g in graphs:
-        for v in g.values():
-            used.setdefault(v.type.dtype.value, set()).add(v.name)
-    check_dtypes(target, used)
+    check_dtypes(target, dtypes_used(graphs))
     progress.stage("plan memory")
     low = lower(graphs, target, meta)
     check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
@@ -374,6 +365,27 @@ def compile_model(
     progress.done()
     log.info("wrote %s", out_path)
     return out_path
+
+
+def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
+              tables: Sequence[RopeTables] = ()) -> list[list[Pass]]:
+    """The pass list of each program: the one program, or with `max_seq_len` prefill and
+    decode over a KV cache of that many positions (the RoPE `tables` from _decode_inputs)."""
+    if max_seq_len is None:
+        return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim)]
+    cache_len = align_up(max_seq_len, target.matrix_tile)
+    return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
+                             KVCache(role, cache_len, tables, position))
+            for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
+
+
+def dtypes_used(graphs: Sequence[Graph]) -> dict[str, set[str]]:
+    """dtype name -> the values of that dtype, for the target's dtype check."""
+    used: dict[str, set[str]] = {}
+    for g in graphs:
+        for v in g.values():
+            used.setdefault(v.type.dtype.value, set()).add(v.name)
+    return used
 
 
 def check_max_seq_len(max_seq_len: Any) -> None:

@@ -15,23 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from npuc.backend.lower import lower
-from npuc.backend.memory_plan import align_up
 from npuc.backend.targets import check_dtypes, check_fits, get_target
 from npuc.compiler import instrument
 from npuc.compiler.driver import (
-    DECODE_TRACE_POSITION,
     _decode_inputs,
     build_graph,
     check_input_format,
     check_input_layout,
     check_max_seq_len,
+    dtypes_used,
+    pipelines,
     read_keep_dtype,
     select_outputs,
 )
 from npuc.errors import NpucError
 from npuc.ir import Graph
-from npuc.passes.kv_cache import KVCache
-from npuc.passes.pipeline import default_pipeline
 from npuc.passes.precision import check_mode
 
 FORMAT = "npuc-precheck/1"
@@ -94,28 +92,20 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     attempt("out_nodes", lambda: select_outputs(graph, out_nodes), None)
     attempt("input format", lambda: check_input_layout(graph, fmt), None)
     graphs: list[Graph] = []
-    kv = KVCache("prefill", align_up(max_seq_len, target.matrix_tile)) if max_seq_len else None
-    if kv is not None:
+    if max_seq_len:
         def decode() -> None:
-            dg, tables = _decode_inputs(model, graph, max_seq_len or 0, input_dtypes)
+            dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
             select_outputs(dg, out_nodes)
-            for g, role in ((graph, "prefill"), (dg, "decode")):
-                pos = DECODE_TRACE_POSITION if role == "decode" else 0
-                passes = default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                                          KVCache(role, kv.cache_len, tables, pos))
+            for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables), strict=True):
                 graphs.append(instrument.run_pipeline(g, passes).graph)
         attempt("generation (prefill + decode)", decode, None)
     else:
-        attempt("pipeline", lambda: graphs.append(instrument.run_pipeline(
-            graph, default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim)).graph), None)
+        attempt("pipeline", lambda: graphs.append(
+            instrument.run_pipeline(graph, pipelines(mode, keep, target)[0]).graph), None)
     if not graphs:
         report.skipped.append("dtypes, memory: the pipeline did not finish")
         return report
-    used: dict[str, set[str]] = {}
-    for g in graphs:
-        for v in g.values():
-            used.setdefault(v.type.dtype.value, set()).add(v.name)
-    attempt("target dtypes", lambda: check_dtypes(target, used), None)
+    attempt("target dtypes", lambda: check_dtypes(target, dtypes_used(graphs)), None)
     low = attempt("memory plan", lambda: lower(graphs, target), None)
     if low is not None:
         attempt("target capacity", lambda: check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes),

@@ -15,6 +15,7 @@ definition of what an op computes; this is one way to run it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,9 +54,7 @@ def _scalar(ws: torch.Tensor | None, offset: int, value: float) -> torch.Tensor:
 
 def _f32(ws: torch.Tensor | None, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
     assert ws is not None
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     return ws[offset:offset + n * F32].view(torch.float32).view(shape)
 
 
@@ -151,22 +150,19 @@ def _linear(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     return True
 
 
-def _rows(x: TensorType, axis: int) -> int:
-    ax = axis % x.rank
-    n = 1
-    for d in x.shape[:ax]:
-        n *= d
-    return n
+def _rows(shape: Sequence[int], axis: int) -> int:
+    """Rows a norm over axis.. has: the product of the dims before it."""
+    return math.prod(shape[:axis % len(shape)])
 
 
-@out_kernel("rms_norm", workspace=lambda ins, outs, a: (_rows(ins[0], a["axis"]) + 2) * F32)
+@out_kernel("rms_norm", workspace=lambda ins, outs, a: (_rows(ins[0].shape, a["axis"]) + 2) * F32)
 def _rms_norm(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     x, scale, out = xs[0], xs[1], outs[0]
     if x.dtype != torch.float32:
         return False
     ax = a["axis"] % x.dim()
     axes = tuple(range(ax, x.dim()))
-    rows = _rows(TensorType(tuple(x.shape), DType.f32), ax)
+    rows = _rows(x.shape, ax)
     m = _f32(ws, 0, tuple(x.shape[:ax]) + (1,) * (x.dim() - ax))
     n = _scalar(ws, rows * F32, float(x.shape[ax:].numel()))
     eps = _scalar(ws, (rows + 1) * F32, a["eps"])

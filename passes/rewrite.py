@@ -312,21 +312,22 @@ class RewriteEngine:
         changed_any = False
         for _ in range(self.max_rounds):
             changed = False
+            roots = g.root_ids()  # changes only when a rewrite is applied
             for node in list(g.nodes):
                 if not g.has_node(node) or len(node.outputs) != 1:
                     continue
                 for rule in self.rules:
-                    if self._try(g, rule, node):
+                    if self._try(g, rule, node, roots):
                         changed = True
+                        roots = g.root_ids()
                         break
             changed_any |= changed
             if not changed:
                 return changed_any
         raise InternalError(f"rewrite rules {[r.name for r in self.rules]} did not reach a fixed point")
 
-    def _try(self, g: Graph, rule: Rule, root: Node) -> bool:
+    def _try(self, g: Graph, rule: Rule, root: Node, outputs: set[int]) -> bool:
         stats, prog = self.stats[rule.name], self._progress[rule.name]
-        outputs = g.root_ids()
         for m in _match(rule.pattern, root.outputs[0], Match({}, {}, ()), prog):
             stats.matched += 1
             inside = set(m.matched)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from npuc.runtime.session import Session, TensorInfo, _attr
+from npuc.runtime.session import Program, Session, TensorInfo, _attr
 
 
 def _t(t: TensorInfo, kind: str) -> str:
@@ -29,11 +29,12 @@ def render_listing(path: str, summary: bool = False) -> str:
              + (f", state {_fmt_bytes(s.state_bytes)} in {sum(1 for t in s.tensors if t.region == 'state')} "
                 "tensors (KV cache)" if s.state_bytes else "")]
     for p in s.programs.values():
-        lines += _program(s, p.proto, p.inputs, p.outputs, summary)
+        lines += _program(s, p, summary)
     return "\n".join(lines)
 
 
-def _program(s: Session, prog: Any, inputs: list[TensorInfo], outputs: list[TensorInfo], summary: bool) -> list[str]:
+def _program(s: Session, p: Program, summary: bool) -> list[str]:
+    prog, inputs, outputs = p.proto, p.inputs, p.outputs
     counts = Counter(o.op for o in prog.ops)
     units = Counter(o.unit for o in prog.ops)
     lines = [
