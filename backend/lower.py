@@ -243,7 +243,7 @@ def _lower_program(model: Any, g: Graph, index: dict[int, int], target: Target) 
         od = get_op(node.op)
         ins, outs = [v.type for v in node.inputs], [v.type for v in node.outputs]
         op = prog.ops.add(op=node.op, name=node.name, unit=od.unit, flops=int(od.flops(ins, outs, node.attrs)),
-                          bytes=od.bytes(ins, outs))
+                          bytes=od.bytes(ins, outs, node.attrs))
         op.inputs.extend(index[id(v)] for v in node.inputs)
         op.outputs.extend(index[id(v)] for v in node.outputs)
         if id(node) in workspaces:

@@ -207,7 +207,12 @@ class _Ctx:
         base = name or (self.node.output[0] if self.node is not None and self.node.output else op)
         node = self.g.add_node(op, list(inputs), types, attrs, names=base)
         if foldable(node, _EAGER_FOLD_BYTES):
-            return fold_node(self.g, node)
+            try:
+                return fold_node(self.g, node)
+            except (IndexError, RuntimeError) as e:  # e.g. an index out of range at these shapes
+                raise NpucError("NPUC-E0311", f"{self.where}: evaluating it at these shapes fails ({e})",
+                                "the model is inconsistent at the shapes given; check --input_shape (an export "
+                                "traced at batch 1 may run at batch 1 only)", exit_code=EXIT_USAGE) from None
         return node.outputs
 
     def one(self, op: str, inputs: Sequence[Value], attrs: dict[str, Any] | None = None,
@@ -672,8 +677,15 @@ def _gather(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) ->
 
 @converts("GatherND")
 def _gather_nd(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
-    assert ins[0] is not None and ins[1] is not None
-    return [ctx.one("gather_nd", [ins[0], ins[1]], {"batch_dims": a.get("batch_dims", 0)})]
+    data, idx = ins[0], ins[1]
+    assert data is not None and idx is not None
+    if a.get("batch_dims", 0) == 0 and idx.type.rank >= 1 and idx.type.shape[-1] == 1:
+        # Indices that address the leading axis alone: data[i], the `index` the torch frontend
+        # gives aten.index, so that passes see one form (the exporter writes x[ids] this way,
+        # e.g. a MoE's per-slot expert weights, behind a reshape that adds the trailing 1).
+        src = idx.producer.inputs[0] if idx.producer is not None and idx.producer.op == "reshape" else idx
+        return [ctx.one("index", [data, ctx.reshape(src, idx.type.shape[:-1])])]
+    return [ctx.one("gather_nd", [data, idx], {"batch_dims": a.get("batch_dims", 0)})]
 
 
 @converts("ScatterND")

@@ -8,6 +8,14 @@ decompositions), which is what the fusion passes want to see.
 
 Parameters and buffers become graph constants whose bytes stay in their source
 (`WeightResolver`) until the backend writes them.
+
+npuc's IR has no complex dtype. A complex tensor [..] is carried as its real pairs,
+a real [.., 2] tensor (re, im), the layout `torch.view_as_real` gives it, wrapped in
+`Pairs` so that no real converter mistakes it for a real tensor. A node that reads or
+makes a complex value is converted by `COMPLEX_CONVERTERS`; any other such node is
+listed with the unsupported operators (NPUC-E0301). DeepSeek-V2's RoPE is the user:
+
+    view_as_complex(x.view(.., d/2, 2)) * polar(1, freqs)    (re, im) = (ac - bd, ad + bc)
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,17 +36,38 @@ from npuc.ir.ops import ShapeError
 WeightResolver = Callable[[str, torch.Tensor | None], ConstSource]
 Converter = Callable[["_Ctx", torch.fx.Node, dict[str, Any]], Any]
 CONVERTERS: dict[str, Converter] = {}
+COMPLEX_CONVERTERS: dict[str, Converter] = {}  # for nodes that read or make complex values
 _IGNORED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
             "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"}
 
 
-def converts(*targets: str) -> Callable[[Converter], Converter]:
+def converts(*targets: str, table: dict[str, Converter] = CONVERTERS) -> Callable[[Converter], Converter]:
     def deco(fn: Converter) -> Converter:
         for t in targets:
-            CONVERTERS[t] = fn
+            table[t] = fn
         return fn
 
     return deco
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """A complex tensor [..] as a real [.., 2] value (re, im)."""
+
+    v: Value
+
+
+_COMPLEX_PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _is_complex(val: Any) -> bool:
+    if isinstance(val, (list, tuple)):
+        return any(_is_complex(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.is_complex()
+
+
+def _touches_complex(node: torch.fx.Node) -> bool:
+    return _is_complex(node.meta.get("val")) or any(_is_complex(a.meta.get("val")) for a in node.all_input_nodes)
 
 
 def _target_name(node: torch.fx.Node) -> str:
@@ -52,7 +82,12 @@ def unsupported_ops(ep: torch.export.ExportedProgram) -> Counter[str]:
     for n in ep.graph.nodes:
         if n.op == "call_function":
             name = _target_name(n)
-            if name not in CONVERTERS and name not in _IGNORED:
+            if name in _IGNORED:
+                continue
+            if _touches_complex(n):
+                if name not in COMPLEX_CONVERTERS:
+                    ops[f"{name} on complex values"] += 1
+            elif name not in CONVERTERS:
                 ops[name] += 1
         elif n.op not in ("placeholder", "output", "get_attr"):
             ops[f"<{n.op}>"] += 1
@@ -60,16 +95,21 @@ def unsupported_ops(ep: torch.export.ExportedProgram) -> Counter[str]:
 
 
 def _meta_type(node: torch.fx.Node) -> TensorType:
+    """The node's type as torch recorded it; a complex tensor's is that of its real pairs."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise InternalError(f"node {node.name} has no tensor metadata")
+    if val.is_complex():
+        dims, dtype = tuple(val.shape) + (2,), DType.from_torch(_COMPLEX_PARTS[val.dtype])
+    else:
+        dims, dtype = tuple(val.shape), DType.from_torch(val.dtype)
     shape = []
-    for d in val.shape:
+    for d in dims:
         if not isinstance(d, int):
             raise NpucError("NPUC-E0302", f"dimension {d} of {node.name} is symbolic",
                             "npuc compiles static shapes only: export with concrete example inputs")
         shape.append(d)
-    return TensorType(tuple(shape), DType.from_torch(val.dtype))
+    return TensorType(tuple(shape), dtype)
 
 
 def _bind(node: torch.fx.Node) -> dict[str, Any]:
@@ -97,9 +137,16 @@ class _Ctx:
         if isinstance(arg, torch.fx.Node):
             v = self.env[arg]
             if not isinstance(v, Value):
-                raise InternalError(f"{arg.name} is not a tensor")
+                raise InternalError(f"{arg.name} is not a real tensor")
             return v
         raise InternalError(f"expected a tensor operand, got {arg!r}")
+
+    def pairs(self, arg: Any) -> Value:
+        """A complex operand's real pairs [.., 2]."""
+        v = self.env.get(arg) if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(v, Pairs):
+            raise InternalError(f"expected a complex tensor operand, got {arg!r}")
+        return v.v
 
     def scalar(self, x: float | int | bool, dtype: DType) -> Value:
         key = (repr(x), dtype)
@@ -161,21 +208,26 @@ def import_exported_program(
             spec = specs.get(node.name)
             kind = spec.kind.name if spec is not None else "USER_INPUT"
             if kind == "USER_INPUT":
+                if _is_complex(node.meta.get("val")):
+                    raise _complex_refused(f"input {node.name!r} is complex",
+                                           "pass its torch.view_as_real pairs and view_as_complex them inside")
                 if isinstance(node.meta.get("val"), torch.Tensor):
                     ctx.env[node] = g.add_input(node.name, _meta_type(node))
                 else:
                     ctx.env[node] = node.meta.get("val")
             else:
                 target = spec.target  # type: ignore[union-attr]
-                src = resolve_weight(target, tensors.get(target))
-                ctx.env[node] = g.add_constant(target, _meta_type(node), src)
+                ctx.env[node] = _constant(g, node, target, tensors.get(target), resolve_weight)
         elif node.op == "call_function":
             tname = _target_name(node)
             if tname in _IGNORED:
                 continue
             args = {"args": node.args} if tname == "getitem" else _bind(node)
-            ctx.env[node] = CONVERTERS[tname](ctx, node, args)
+            table = COMPLEX_CONVERTERS if _touches_complex(node) else CONVERTERS
+            ctx.env[node] = table[tname](ctx, node, args)
         elif node.op == "output":
+            if any(isinstance(ctx.env.get(a), Pairs) for a in node.args[0]):
+                raise _complex_refused("the model returns a complex tensor", "return its torch.view_as_real pairs")
             outs = [ctx.value(a) for a in node.args[0]]
             user = [s for s in ep.graph_signature.output_specs]
             if any(s.kind.name != "USER_OUTPUT" for s in user):
@@ -189,6 +241,21 @@ def import_exported_program(
                     g.rename(v, want)
             g.set_outputs(outs)
     return g
+
+
+def _complex_refused(what: str, hint: str) -> NpucError:
+    return NpucError("NPUC-E0309", f"{what}: npuc has no complex element type", hint, exit_code=EXIT_UNSUPPORTED)
+
+
+def _constant(g: Graph, node: torch.fx.Node, target: str, tensor: torch.Tensor | None,
+              resolve_weight: WeightResolver) -> Value | Pairs:
+    if not _is_complex(node.meta.get("val")):
+        return g.add_constant(target, _meta_type(node), resolve_weight(target, tensor))
+    if tensor is None:  # a complex weight still on disk: no lazy reader splits it into pairs
+        raise _complex_refused(f"weight {target!r} is complex", "store it as torch.view_as_real pairs")
+    # A complex buffer (a precomputed freqs_cis) in memory: its pairs are a constant npuc computed.
+    return Pairs(g.add_constant(target, _meta_type(node),
+                                TensorSource(torch.view_as_real(tensor.detach()).contiguous(), "complex buffer")))
 
 
 # -- converters -------------------------------------------------------------------
@@ -227,10 +294,13 @@ def _to_meta_shape(op: str) -> Converter:
     return conv
 
 
-for _t in ("view.default", "reshape.default", "_unsafe_view.default", "unsqueeze.default", "squeeze.dim",
-           "squeeze.dims", "squeeze.default", "flatten.using_ints", "unflatten.int"):
+# Ops whose result is a view of their operand with the shape torch recorded.
+_RESHAPES = ("view.default", "reshape.default", "_unsafe_view.default", "unsqueeze.default", "squeeze.dim",
+             "squeeze.dims", "squeeze.default", "flatten.using_ints", "unflatten.int")
+_EXPANDS = ("expand.default", "expand_as.default")
+for _t in _RESHAPES:
     CONVERTERS[f"aten.{_t}"] = _to_meta_shape("reshape")
-for _t in ("expand.default", "expand_as.default"):
+for _t in _EXPANDS:
     CONVERTERS[f"aten.{_t}"] = _to_meta_shape("expand")
 
 
@@ -544,3 +614,255 @@ def _sdpa(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     attrs = {"scale": None if scale is None else float(scale), "causal": bool(a["is_causal"]),
              "gqa": bool(a["enable_gqa"])}
     return ctx.emit("sdpa", ins, attrs, like=node)
+
+
+@converts("aten.max.dim", "aten.min.dim")
+def _extreme_dim(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> list[Value]:
+    """x.max(dim) / x.min(dim): (values, indices) as reduce_max and argmax (first index of a tie, as torch)."""
+    x = ctx.value(a["self"])
+    kind = "max" if str(node.target).startswith("aten.max") else "min"
+    axis, keep = a["dim"] % max(x.type.rank, 1), bool(a["keepdim"])
+    vals = ctx.emit(f"reduce_{kind}", [x], {"axes": (axis,), "keepdim": keep}, name=f"{node.name}_values")
+    idx = ctx.emit(f"arg{kind}", [x], {"axis": axis, "keepdim": keep}, name=f"{node.name}_indices")
+    want = [TensorType(tuple(t.shape), DType.from_torch(t.dtype)) for t in node.meta["val"]]
+    if [vals.type, idx.type] != want:
+        raise InternalError(f"converting {node.name}: npuc infers {vals.type}, {idx.type}, torch says {want}")
+    return [vals, idx]
+
+
+# -- complex values, as real pairs [.., 2] (see the module docstring) ----------------------------
+
+def _part_dtype(node: torch.fx.Node) -> DType:
+    """The element type of the node's result, or of its real and imaginary parts."""
+    return _meta_type(node).dtype
+
+
+def _complex_rank(p: Value) -> int:
+    return p.type.rank - 1
+
+
+def _parts(ctx: _Ctx, p: Value, name: str) -> tuple[Value, Value]:
+    """(re, im) of pairs [.., 2], each [.., 1]: they broadcast against other pairs' parts."""
+    last = p.type.rank - 1
+    re = ctx.emit("slice", [p], {"axis": last, "start": 0, "end": 1, "step": 1}, name=f"{name}_re")
+    im = ctx.emit("slice", [p], {"axis": last, "start": 1, "end": 2, "step": 1}, name=f"{name}_im")
+    return re, im
+
+
+def _as_part(ctx: _Ctx, v: Value, name: str) -> Value:
+    """A real tensor [..] as [.., 1], to broadcast against pairs [.., 2] or parts [.., 1]."""
+    return ctx.emit("reshape", [v], {"shape": v.type.shape + (1,)}, name=name)
+
+
+def _join(ctx: _Ctx, re: Value, im: Value, node: torch.fx.Node) -> Pairs:
+    return Pairs(ctx.emit("concat", [re, im], {"axis": re.type.rank - 1}, like=node))
+
+
+def _complex_operand(ctx: _Ctx, arg: Any, dtype: DType, name: str) -> tuple[Value, bool]:
+    """An operand of complex arithmetic as (value, is_pairs): pairs [.., 2], or a real tensor as
+    [.., 1] (or a real Python number as a scalar), either way broadcasting against pairs."""
+    if isinstance(arg, torch.fx.Node):
+        v = ctx.env[arg]
+        if isinstance(v, Pairs):
+            return ctx.cast(v.v, dtype), True
+        return _as_part(ctx, ctx.cast(ctx.value(arg), dtype), f"{name}_part"), False
+    if isinstance(arg, complex):
+        t = torch.tensor([arg.real, arg.imag], dtype=dtype.torch)
+        return ctx.g.add_constant(f"{name}_complex", TensorType((2,), dtype), TensorSource(t, "scalar")), True
+    return ctx.scalar(arg, dtype), False
+
+
+@converts("aten.view_as_complex.default", table=COMPLEX_CONVERTERS)
+def _view_as_complex(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    x = ctx.value(a["self"])
+    if x.type != _meta_type(node):
+        raise InternalError(f"{node.name}: view_as_complex of {x.type}")
+    return Pairs(x)
+
+
+@converts("aten.view_as_real.default", table=COMPLEX_CONVERTERS)
+def _view_as_real(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    return ctx.pairs(a["self"])
+
+
+@converts("aten.real.default", "aten.imag.default", table=COMPLEX_CONVERTERS)
+def _real_imag(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    re, im = _parts(ctx, ctx.pairs(a["self"]), node.name)
+    part = re if str(node.target).startswith("aten.real") else im
+    return ctx.emit("reshape", [part], {"shape": _meta_type(node).shape}, like=node)
+
+
+@converts("aten.polar.default", "aten.complex.default", table=COMPLEX_CONVERTERS)
+def _polar(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    """polar(abs, angle) = abs * (cos angle, sin angle); complex(real, imag) = (real, imag)."""
+    dt, shape = _part_dtype(node), _meta_type(node).shape[:-1]
+    if "abs" in a:
+        r, t = ctx.value(a["abs"]), ctx.value(a["angle"])
+        re = ctx.emit("mul", [r, ctx.emit("cos", [t], name=f"{node.name}_cos")], name=f"{node.name}_re")
+        im = ctx.emit("mul", [r, ctx.emit("sin", [t], name=f"{node.name}_sin")], name=f"{node.name}_im")
+    else:
+        re, im = ctx.value(a["real"]), ctx.value(a["imag"])
+    parts = []
+    for v, k in ((re, "re"), (im, "im")):
+        v = ctx.cast(v, dt)
+        if v.type.shape != shape:
+            v = ctx.emit("expand", [v], {"shape": shape}, name=f"{node.name}_{k}_expand")
+        parts.append(_as_part(ctx, v, f"{node.name}_{k}_part"))
+    return _join(ctx, parts[0], parts[1], node)
+
+
+@converts("aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", table=COMPLEX_CONVERTERS)
+def _complex_mul(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    """(a + bi)(c + di) = (ac - bd) + (ad + bc)i; by a real r, both parts times r."""
+    dt, div = _part_dtype(node), str(node.target).startswith("aten.div")
+    if a.get("rounding_mode") is not None:
+        raise NpucError("NPUC-E0304", f"{node.name}: rounded division of complex values is not supported", "",
+                        exit_code=EXIT_UNSUPPORTED)
+    (x, x_pairs), (y, y_pairs) = (_complex_operand(ctx, a[k], dt, f"{node.name}_{k}") for k in ("self", "other"))
+    if x_pairs and y_pairs:
+        if div:
+            raise NpucError("NPUC-E0304", f"{node.name}: division by a complex tensor is not supported",
+                            "multiply by the conjugate and divide by the squared magnitude instead",
+                            exit_code=EXIT_UNSUPPORTED)
+        (xr, xi), (yr, yi) = _parts(ctx, x, f"{node.name}_x"), _parts(ctx, y, f"{node.name}_y")
+        re = ctx.emit("sub", [ctx.emit("mul", [xr, yr], name=f"{node.name}_rr"),
+                              ctx.emit("mul", [xi, yi], name=f"{node.name}_ii")], name=f"{node.name}_re")
+        im = ctx.emit("add", [ctx.emit("mul", [xr, yi], name=f"{node.name}_ri"),
+                              ctx.emit("mul", [xi, yr], name=f"{node.name}_ir")], name=f"{node.name}_im")
+        return _join(ctx, re, im, node)
+    if div and not x_pairs:
+        raise NpucError("NPUC-E0304", f"{node.name}: division by a complex tensor is not supported", "",
+                        exit_code=EXIT_UNSUPPORTED)
+    return Pairs(ctx.emit("div" if div else "mul", [x, y], like=node))
+
+
+@converts("aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", table=COMPLEX_CONVERTERS)
+def _complex_add(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    """Pairs add part by part; a real operand adds to the real part only."""
+    dt, op = _part_dtype(node), "add" if str(node.target).startswith("aten.add") else "sub"
+    (x, x_pairs), (y, y_pairs) = (_complex_operand(ctx, a[k], dt, f"{node.name}_{k}") for k in ("self", "other"))
+    if a.get("alpha", 1) != 1:
+        if isinstance(a["alpha"], complex):
+            raise NpucError("NPUC-E0304", f"{node.name}: a complex alpha is not supported", "",
+                            exit_code=EXIT_UNSUPPORTED)
+        y = ctx.emit("mul", [y, ctx.scalar(a["alpha"], dt)], name=f"{node.name}_alpha")
+    if x_pairs and y_pairs:
+        return Pairs(ctx.emit(op, [x, y], like=node))
+    p, r = (x, y) if x_pairs else (y, x)
+    re, im = _parts(ctx, p, node.name)
+    re = ctx.emit(op, [re, r] if x_pairs else [r, re], name=f"{node.name}_re")
+    if not x_pairs and op == "sub":  # real - complex: the imaginary part changes sign
+        im = ctx.emit("neg", [im], name=f"{node.name}_im")
+    shape = _meta_type(node).shape[:-1] + (1,)
+    re, im = (v if v.type.shape == shape else ctx.emit("expand", [v], {"shape": shape}, name=f"{v.name}_expand")
+              for v in (re, im))
+    return _join(ctx, re, im, node)
+
+
+@converts("aten.neg.default", table=COMPLEX_CONVERTERS)
+def _complex_neg(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    return Pairs(ctx.emit("neg", [ctx.pairs(a["self"])], like=node))
+
+
+@converts("aten.abs.default", table=COMPLEX_CONVERTERS)
+def _complex_abs(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    p = ctx.pairs(a["self"])
+    sq = ctx.emit("reduce_sum", [ctx.emit("mul", [p, p], name=f"{node.name}_sq")],
+                  {"axes": (p.type.rank - 1,), "keepdim": False}, name=f"{node.name}_sum")
+    return ctx.emit("sqrt", [sq], like=node)
+
+
+@converts("aten.clone.default", "aten.alias.default", "aten.contiguous.default", "aten.detach.default",
+          "aten.lift_fresh_copy.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout",
+          "aten.to.device", "aten.type_as.default", table=COMPLEX_CONVERTERS)
+def _complex_copy(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value | Pairs:
+    """Copies and casts: complex to complex casts the pairs, real to complex adds a zero
+    imaginary part, complex to real keeps the real part (as torch does, with a warning)."""
+    src = a["self"] if "self" in a else a["input"]
+    x, want = ctx.env[src], _meta_type(node)
+    if isinstance(x, Pairs) and _is_complex(node.meta.get("val")):
+        return Pairs(ctx.cast(x.v, want.dtype))
+    if isinstance(x, Pairs):
+        re, _ = _parts(ctx, x.v, node.name)
+        return ctx.emit("reshape", [ctx.cast(re, want.dtype)], {"shape": want.shape}, like=node)
+    re = _as_part(ctx, ctx.cast(ctx.value(src), want.dtype), f"{node.name}_re")
+    zero = ctx.emit("expand", [ctx.scalar(0.0, want.dtype)], {"shape": re.type.shape}, name=f"{node.name}_im")
+    return _join(ctx, re, zero, node)
+
+
+def _complex_to_meta_shape(op: str) -> Converter:
+    """A complex reshape/expand: the pairs', to the recorded shape with the trailing 2."""
+
+    def conv(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+        p, shape = ctx.pairs(a["self"]), _meta_type(node).shape
+        return Pairs(p if p.type.shape == shape else ctx.emit(op, [p], {"shape": shape}, like=node))
+
+    return conv
+
+
+for _t in _RESHAPES:
+    COMPLEX_CONVERTERS[f"aten.{_t}"] = _complex_to_meta_shape("reshape")
+for _t in _EXPANDS:
+    COMPLEX_CONVERTERS[f"aten.{_t}"] = _complex_to_meta_shape("expand")
+
+
+@converts("aten.transpose.int", "aten.permute.default", "aten.t.default", table=COMPLEX_CONVERTERS)
+def _complex_transpose(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    p = ctx.pairs(a["self"])
+    rank = _complex_rank(p)
+    if "dims" in a:
+        perm = [d % rank for d in a["dims"]]
+    else:
+        d0, d1 = (a["dim0"] % rank, a["dim1"] % rank) if "dim0" in a else (0, 1)
+        perm = list(range(rank))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    if perm == list(range(rank)):
+        return Pairs(p)
+    return Pairs(ctx.emit("transpose", [p], {"perm": tuple(perm) + (rank,)}, like=node))
+
+
+@converts("aten.slice.Tensor", "aten.select.int", table=COMPLEX_CONVERTERS)
+def _complex_slice(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    p = ctx.pairs(a["self"])
+    axis = a["dim"] % _complex_rank(p)
+    if "index" in a:  # select: a slice of one, then the axis dropped
+        i = a["index"] % p.type.shape[axis]
+        s = ctx.emit("slice", [p], {"axis": axis, "start": i, "end": i + 1, "step": 1}, name=f"{node.name}_slice")
+        return Pairs(ctx.emit("reshape", [s], {"shape": _meta_type(node).shape}, like=node))
+    start, end, step = _clamp_slice(p.type.shape[axis], a["start"], a["end"], a["step"])
+    if (start, end, step) == (0, p.type.shape[axis], 1):
+        return Pairs(p)
+    return Pairs(ctx.emit("slice", [p], {"axis": axis, "start": start, "end": end, "step": step}, like=node))
+
+
+@converts("aten.cat.default", table=COMPLEX_CONVERTERS)
+def _complex_cat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Pairs:
+    dt = _part_dtype(node)
+    xs = []
+    for i, t in enumerate(a["tensors"]):
+        v, is_pairs = _complex_operand(ctx, t, dt, f"{node.name}_{i}")
+        if not is_pairs:  # a real operand: a zero imaginary part
+            v = ctx.emit("concat", [v, ctx.emit("expand", [ctx.scalar(0.0, dt)], {"shape": v.type.shape},
+                                                name=f"{node.name}_{i}_im")],
+                         {"axis": v.type.rank - 1}, name=f"{node.name}_{i}_pairs")
+        xs.append(v)
+    xs = [x for x in xs if x.type.numel > 0] or xs[:1]
+    if len(xs) == 1:
+        return Pairs(xs[0])
+    return Pairs(ctx.emit("concat", xs, {"axis": a["dim"] % _complex_rank(xs[0])}, like=node))
+
+
+@converts("aten.split_with_sizes.default", "aten.split.Tensor", table=COMPLEX_CONVERTERS)
+def _complex_split(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> list[Pairs]:
+    p = ctx.pairs(a["self"])
+    axis = a["dim"] % _complex_rank(p)
+    if "split_sizes" in a:
+        sizes = tuple(a["split_sizes"])
+    else:
+        n, size = p.type.shape[axis], a["split_size"]
+        sizes = tuple(min(size, n - i) for i in range(0, n, size))
+    outs = ctx.emit("split", [p], {"axis": axis, "sizes": sizes}, name=node.name)
+    return [Pairs(v) for v in ([outs] if isinstance(outs, Value) else outs)]
+
+
+COMPLEX_CONVERTERS["getitem"] = _getitem

@@ -9,6 +9,7 @@ from __future__ import annotations
 def render() -> str:
     from npuc.compiler.onnx_frontend import CONVERTERS as ONNX
     from npuc.compiler.onnx_frontend import MAX_OPSET, MIN_OPSET
+    from npuc.compiler.torch_frontend import COMPLEX_CONVERTERS
     from npuc.compiler.torch_frontend import CONVERTERS as ATEN
     from npuc.ir import all_ops
 
@@ -28,6 +29,12 @@ def render() -> str:
               "`torch.export` programs are taken in functional ATen without default decompositions. "
               "These overloads convert (ignored: `_assert_tensor_metadata` and other runtime asserts):", ""]
     lines += [f"- `{t}`" for t in sorted(ATEN)]
+    lines += ["", "### on complex values", "",
+              "npuc has no complex dtype: a complex tensor is carried as its real (re, im) pairs, a trailing "
+              "axis of 2 (the layout of `view_as_real`). Complex inputs, outputs and weights on disk are refused "
+              "(NPUC-E0309); complex buffers in memory become pair constants. These overloads take or make "
+              "complex values:", ""]
+    lines += [f"- `{t}`" for t in sorted(COMPLEX_CONVERTERS) if t != "getitem"]
     return "\n".join(lines) + "\n"
 
 

@@ -938,6 +938,83 @@ def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(q.shape[:3] + (vc.shape[-1],), q.dtype)]
 
 
+def _mla_dims(ins: T) -> tuple[int, int, int, int, int, int, int, int]:
+    """b, h, s, keys, nope, rope, latent rank, v dim of an mla_attention."""
+    q_nope, q_rot, kv, w_uk, w_uv = ins[:5]
+    b, h, s, dn = q_nope.shape
+    r = w_uk.shape[2]
+    return b, h, s, kv.shape[2], dn, q_rot.shape[3], r, w_uv.shape[2]
+
+
+def mla_absorbed(ins: T) -> bool:
+    """Whether mla_attention computes over the latent (W_UK on the queries, W_UV on the
+    result) rather than expanding per-head keys and values: whichever needs fewer FLOPs.
+    Decode (one query over many cached keys) is always absorbed; a long prefill is not."""
+    b, h, s, n, dn, dr, r, dv = _mla_dims(ins)
+    absorbed = h * s * (dn * r + n * (2 * r + dr) + r * dv)
+    expanded = h * n * r * (dn + dv) + h * s * n * (dn + dr + dv)
+    return absorbed <= expanded
+
+
+def _mla_mask(s: int, n: int, pos: torch.Tensor | None, causal: bool, device: torch.device) -> torch.Tensor | None:
+    if pos is not None:  # query i at position[i] sees cached rows 0..position[i]
+        return torch.arange(n, device=device)[None, :] <= pos.reshape(-1, 1).long()
+    return torch.ones(s, n, dtype=torch.bool, device=device).tril() if causal else None
+
+
+def _mla_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    q_nope, q_rot, kv, w_uk, w_uv = xs[:5]
+    pos = xs[5] if len(xs) > 5 else None
+    r = w_uk.shape[2]
+    lat, k_rot = kv[..., :r].float(), kv[..., r:].float()  # [b, 1, n, r], [b, 1, n, dr]
+    mask = _mla_mask(q_nope.shape[2], kv.shape[2], pos, a["causal"], q_nope.device)
+    if mla_absorbed([TensorType(tuple(x.shape), DType.f32) for x in xs[:5]]):
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope.float(), w_uk.float())
+        scores = (q_lat @ lat.transpose(-1, -2) + q_rot.float() @ k_rot.transpose(-1, -2)) * a["scale"]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o_lat = torch.softmax(scores, dim=-1) @ lat
+        out = torch.einsum("bhsr,hrv->bhsv", o_lat, w_uv.float())
+    else:
+        k_nope = torch.einsum("bxnr,hdr->bhnd", lat, w_uk.float())
+        v = torch.einsum("bxnr,hrv->bhnv", lat, w_uv.float())
+        k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        q = torch.cat((q_nope.float(), q_rot.float()), dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a["scale"])
+    return out.to(q_nope.dtype)
+
+
+def _mla_flops(ins: T, outs: T, attrs: A) -> int:
+    b, h, s, n, dn, dr, r, dv = _mla_dims(ins)
+    if mla_absorbed(ins):
+        return 2 * b * h * s * (dn * r + n * (2 * r + dr) + r * dv)
+    return 2 * b * (h * n * r * (dn + dv) + h * s * n * (dn + dr + dv))
+
+
+@op("mla_attention", ("q_nope", "q_rot", "kv", "w_uk", "w_uv", "position?"),
+    {"scale": Attr("float"), "causal": Attr("bool", False)},
+    kernel=_mla_kernel, flops=_mla_flops, unit="cube",
+    doc="multi-head latent attention (DeepSeek MLA): keys and values are the per-token latent "
+        "kv = [c (rank r) | shared rope key (dr)], [b,1,n,r+dr]; head i's key is [c @ W_UK_i^T | rope key], "
+        "its value c @ W_UV_i; q_nope [b,h,s,dn], q_rot [b,h,s,dr], w_uk [h,dn,r], w_uv [h,r,dv]. "
+        "Without position: causal (query i sees rows 0..i) or not; with position i64 [s]: kv is a cache, "
+        "query i sees rows 0..position[i]. Computed over the latent when that is cheaper (decode)")
+def _mla_attention(ins: T, attrs: A) -> list[TensorType]:
+    q_nope, q_rot, kv, w_uk, w_uv = ins[:5]
+    if any(t.rank != 4 for t in (q_nope, q_rot, kv)) or w_uk.rank != 3 or w_uv.rank != 3:
+        raise ShapeError("mla_attention takes 4-D queries and latent, 3-D per-head weights")
+    b, h, s, n, dn, dr, r, _ = _mla_dims(ins)
+    if q_rot.shape[:3] != (b, h, s) or kv.shape[0] != b or kv.shape[1] != 1 or kv.shape[3] != r + dr \
+            or w_uk.shape[:2] != (h, dn) or w_uv.shape[:2] != (h, r):
+        raise ShapeError(f"mla_attention q {q_nope}/{q_rot}, kv {kv}, w_uk {w_uk}, w_uv {w_uv} do not fit")
+    if len(ins) > 5 and (ins[5].shape != (s,) or ins[5].dtype not in (DType.i64, DType.i32)):
+        raise ShapeError(f"mla_attention position {ins[5]} should be i64[{s}]")
+    if len(ins) == 5 and s != n and attrs.get("causal"):
+        raise ShapeError(f"causal mla_attention over its own {n} rows has {s} queries")
+    _same_dtype(ins[:5])
+    return [TensorType((b, h, s, w_uv.shape[2]), q_nope.dtype)]
+
+
 def _rope_lut_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     x, pos, cos_t, sin_t = xs
     half = cos_t.shape[-1]
@@ -970,4 +1047,120 @@ def _rope_lut(ins: T, attrs: A) -> list[TensorType]:
         raise ShapeError(f"rope_lut position_ids {pos} do not fit x {x}")
     if cos_t != sin_t or cos_t.rank != 2 or 2 * cos_t.shape[1] > x.shape[-1] or not x.dtype.is_float:
         raise ShapeError(f"rope_lut tables {cos_t}/{sin_t} do not fit x {x}")
+    return [x]
+
+
+# -- mixture of experts ---------------------------------------------------------------------
+
+# Scoring -> the value a group-masked expert gets before the final top-k: DeepSeek-V3 masks its
+# sigmoid scores with -inf, DeepSeek-V2 its softmax probabilities with 0.
+MOE_MASK_FILL = {"sigmoid": -math.inf, "softmax": 0.0}
+MOE_NORM_EPS = 1e-20  # transformers' DeepSeek-V3 normalises the routed weights by their sum + 1e-20
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, a: A) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router on f32 logits [T, E]: the k experts of each token (i64 [T, k]) and
+    their weights (f32 [T, k]). Every top-k is the registry's (a stable sort: of equal
+    scores the lower expert wins), so it selects what the traced router selects."""
+    scores = torch.sigmoid(logits) if a["scoring"] == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores + bias.float() if bias is not None else scores
+    t, e = choice.shape
+    g, kg = a["n_group"], a["topk_group"]
+    keep, fill = None, MOE_MASK_FILL[a["scoring"]]
+    if kg < g:  # group-limited: only the experts of each token's topk_group best groups compete
+        grouped = choice.view(t, g, e // g)
+        if a["group_score"] == "top2_sum":
+            group_scores = _topk_kernel([grouped], {"axis": 2, "k": 2, "largest": True})[0].sum(dim=2)
+        else:
+            group_scores = grouped.amax(dim=2)
+        best = _topk_kernel([group_scores], {"axis": 1, "k": kg, "largest": True})[1]
+        keep = torch.zeros(t, g, dtype=torch.bool, device=choice.device).scatter_(1, best, True).repeat_interleave(e // g, dim=1)
+        choice = choice.masked_fill(~keep, fill)
+    idx = _topk_kernel([choice], {"axis": 1, "k": a["top_k"], "largest": True})[1]
+    weights = scores.gather(1, idx)  # the scores without the correction bias
+    if keep is not None:  # a masked expert is picked only when fewer than k others beat the fill
+        weights = weights.masked_fill(~keep.gather(1, idx), fill)
+    if a["norm_topk"]:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + a["norm_eps"] if a["norm_eps"] else total)
+    return idx, weights * a["routed_scale"]
+
+
+def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down[e] @ swiglu(gate_up[e] @ x[t]) with e = idx[t, j], grouped by
+    expert: the token-slots are sorted by expert id and each expert runs one GEMM over its
+    contiguous rows (a loop over the experts hit, never over tokens)."""
+    t, k = idx.shape
+    inter = down.shape[2]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        start += n
+        gate, up = F.linear(x[slots // k], gate_up[e]).split(inter, dim=1)
+        rows[slots] = F.linear(F.silu(gate) * up, down[e])
+    rows *= weights.reshape(-1, 1).to(x.dtype)
+    return rows.view(t, k, -1).sum(dim=1)  # each token's k slots, in top-k order
+
+
+def _fused_moe_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, router, gate_up, down = xs[:4]
+    bias = xs[4] if len(xs) > 4 else None
+    idx, weights = moe_route(F.linear(x.float(), router.float()), bias, a)
+    return moe_experts(x, idx, weights, gate_up, down)
+
+
+def _fused_moe_flops(ins: T, outs: T, attrs: A) -> int:
+    # Only the k selected experts of each token: a dense count over all E would overstate it E/k-fold.
+    (t, h), e, i, k = ins[0].shape, ins[1].shape[0], ins[3].shape[2], attrs["top_k"]
+    router = 2 * t * e * h
+    experts = t * k * (2 * h * 2 * i + 2 * i * h)
+    return router + experts + t * k * 5 * i + 2 * t * k * h  # + SwiGLU, + weighted combine
+
+
+def _fused_moe_traffic(ins: T, outs: T, attrs: A) -> int:
+    """Activations, router and bias, and the weights of the experts a run can select:
+    at most min(E, T*k) of them (all E only once the tokens' picks could cover them)."""
+    x, router, gate_up, down = ins[:4]
+    e, t = router.shape[0], x.shape[0]
+    experts = min(e, t * attrs["top_k"])
+    return sum(v.nbytes for v in (x, router, *ins[4:], *outs)) + (gate_up.nbytes + down.nbytes) * experts // e
+
+
+@op("fused_moe", ("x", "router_weight", "gate_up", "down", "correction_bias?"),
+    {"top_k": Attr("int"), "n_group": Attr("int", 1), "topk_group": Attr("int", 1),
+     "scoring": Attr("str", "sigmoid"), "group_score": Attr("str", "top2_sum"), "norm_topk": Attr("bool", False),
+     "norm_eps": Attr("float", MOE_NORM_EPS), "routed_scale": Attr("float", 1.0), "activation": Attr("str", "silu")},
+    kernel=_fused_moe_kernel, flops=_fused_moe_flops, unit="cube", traffic=_fused_moe_traffic,
+    doc="DeepSeek's routed experts: x [T,H], router_weight [E,H], gate_up [E,2I,H], down [E,H,I], "
+        "correction_bias [E]. Scores sigmoid (V3) or softmax (V2) of x @ router^T in f32; with n_group > "
+        "topk_group only each token's topk_group groups (ranked by top2_sum or max of scores + bias) compete; "
+        "the top_k experts by scores + bias are weighed by their scores (norm_topk: over their sum + norm_eps) "
+        "times routed_scale; out = sum of weight * down[e] @ (silu(gate) * up) over a token's k experts. "
+        "FLOPs count the k selected experts only, bytes at most min(E, T*k) experts' weights")
+def _fused_moe(ins: T, attrs: A) -> list[TensorType]:
+    x, router, gate_up, down = ins[:4]
+    if x.rank != 2 or router.rank != 2 or gate_up.rank != 3 or down.rank != 3:
+        raise ShapeError("fused_moe takes x [T,H], router [E,H], gate_up [E,2I,H], down [E,H,I]")
+    h, e, i = x.shape[1], router.shape[0], down.shape[2]
+    if router.shape != (e, h) or gate_up.shape != (e, 2 * i, h) or down.shape != (e, h, i) \
+            or (len(ins) > 4 and ins[4].shape != (e,)):
+        raise ShapeError(f"fused_moe x {x}, router {router}, gate_up {gate_up}, down {down} do not fit")
+    if not all(t.dtype.is_float for t in ins) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ShapeError(f"fused_moe operands {[str(t) for t in ins]} are not floats of x's dtype")
+    g, kg, k = attrs["n_group"], attrs["topk_group"], attrs["top_k"]
+    if attrs["scoring"] not in MOE_MASK_FILL or attrs["group_score"] not in ("top2_sum", "max") \
+            or attrs["activation"] != "silu":
+        raise ShapeError(f"fused_moe scoring {attrs['scoring']!r}, group_score {attrs['group_score']!r} or "
+                         f"activation {attrs['activation']!r} is not supported")
+    # Static shapes: every token must have k experts to pick from its groups.
+    if g < 1 or e % g or not 1 <= kg <= g or not 1 <= k <= kg * (e // g) \
+            or (kg < g and attrs["group_score"] == "top2_sum" and e // g < 2):
+        raise ShapeError(f"fused_moe top_k={k} of {e} experts in topk_group={kg} of n_group={g} does not fit")
     return [x]

@@ -238,6 +238,46 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     return True
 
 
+def _mla_ws(ins: T, outs: T, a: A) -> int:
+    b, h, s, _ = ins[0].shape
+    r, dr, n = ins[3].shape[2], ins[1].shape[3], ins[2].shape[2]
+    return (b * h * s * (r + (r + dr) + n + r) + 1) * F32
+
+
+@out_kernel("mla_attention", workspace=_mla_ws)
+def _mla_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    from npuc.ir.ops import mla_absorbed
+
+    q_nope, q_rot, kv, w_uk, w_uv = xs[:5]
+    pos = xs[5] if len(xs) > 5 else None
+    ins = [TensorType(tuple(x.shape), DType.f32) for x in xs[:5]]
+    if any(x.dtype != torch.float32 for x in xs[:5]) or not mla_absorbed(ins) or (pos is None and a["causal"]):
+        return False  # the expanded (prefill) form and causal masks: the reference kernel
+    b, h, s, _ = q_nope.shape
+    r, dr, n = w_uk.shape[2], q_rot.shape[3], kv.shape[2]
+    q_lat = _f32(ws, 0, (b, h, s, r))
+    q_cat = _f32(ws, q_lat.numel() * F32, (b, h, s, r + dr))
+    off = (q_lat.numel() + q_cat.numel()) * F32
+    scores = _f32(ws, off, (b, h, s, n))
+    o_lat = _f32(ws, off + scores.numel() * F32, (b, h, s, r))
+    scale = _scalar(ws, off + (scores.numel() + o_lat.numel()) * F32, a["scale"])
+    for j in range(b):  # batch by batch: every product is a plain mm/bmm, so nothing is copied
+        torch.bmm(q_nope[j], w_uk, out=q_lat[j])  # the queries in latent space: q_nope_i @ W_UK_i
+        q_cat[j, ..., :r].copy_(q_lat[j])
+        q_cat[j, ..., r:].copy_(q_rot[j])
+        # [q_lat | q_rot] . [c | k_rope] = the full per-head q.k, without expanding any key
+        torch.mm(q_cat[j].view(h * s, r + dr), kv[j, 0].t(), out=scores[j].view(h * s, n))
+    scores.mul_(scale)
+    if pos is not None:
+        for i, p in enumerate(pos.tolist()):  # query i sees rows 0..p
+            scores[:, :, i, p + 1:].fill_(float("-inf"))
+    torch.softmax(scores, dim=-1, out=scores)
+    for j in range(b):
+        torch.mm(scores[j].view(h * s, n), kv[j, 0, :, :r], out=o_lat[j].view(h * s, r))
+        torch.bmm(o_lat[j], w_uv, out=outs[0][j])  # back out of the latent: o_lat_i @ W_UV_i
+    return True
+
+
 @out_kernel("slice_scatter")
 def _slice_scatter(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     # torch.slice_scatter clones its operand's whole storage: for an arena view, the arena.
@@ -246,4 +286,105 @@ def _slice_scatter(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     idx[a["axis"]] = slice(a["start"], a["end"], a["step"])
     out.copy_(x)
     out[tuple(idx)].copy_(src)
+    return True
+
+
+# -- mixture of experts ----------------------------------------------------------------------
+
+def _moe_layout(ins: T, a: A) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """fused_moe's workspace, region by region (each 8-byte aligned)."""
+    (t, h), e, i = ins[0].shape, ins[1].shape[0], ins[3].shape[2]
+    g, k = a["n_group"], a["top_k"]
+    s = t * k
+    f, i64, b = torch.float32, torch.int64, torch.bool
+    return [("scores", (t, e), f), ("choice", (t, e), f), ("sorted", (t, e), f), ("order", (t, e), i64),
+            ("group_sorted", (t, e), f), ("group_order", (t, e), i64), ("group_scores", (t, g), f),
+            ("best_sorted", (t, g), f), ("best_order", (t, g), i64), ("drop", (t, g), b), ("drop_e", (t, e), b),
+            ("picked_drop", (t, k), b), ("weights", (t, k), f), ("total", (t, 1), f), ("ids", (s,), i64),
+            ("ids_sorted", (s,), i64), ("slots", (s,), i64), ("tokens", (s,), i64), ("experts", (e + 1,), i64),
+            ("starts", (e + 1,), i64), ("x", (s, h), f), ("gate_up", (s, 2 * i), f), ("act", (s, i), f),
+            ("y", (s, h), f), ("rows", (s, h), f), ("k", (), i64), ("fill", (), f), ("eps", (), f), ("scale", (), f)]
+
+
+def _moe_ws(ins: T, outs: T, a: A) -> int:
+    return sum((math.prod(shape) * (8 if dt == torch.int64 else 1 if dt == torch.bool else F32) + 7) // 8 * 8
+               for _, shape, dt in _moe_layout(ins, a))
+
+
+@out_kernel("fused_moe", workspace=_moe_ws)
+def _fused_moe(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    """The reference kernel's steps, in its order, on workspace tensors (ir/ops.py moe_route,
+    moe_experts): every top-k a stable sort, the experts' GEMMs over each one's contiguous slots."""
+    from npuc.ir.ops import MOE_MASK_FILL
+
+    x, router, gate_up, down = xs[:4]
+    bias = xs[4] if len(xs) > 4 else None
+    if any(v.dtype != torch.float32 for v in xs) or not x.is_contiguous():
+        return False
+    assert ws is not None
+    w: dict[str, torch.Tensor] = {}
+    off = 0
+    for name, shape, dt in _moe_layout([TensorType(tuple(v.shape), DType.f32) for v in xs], a):
+        n = math.prod(shape) * (8 if dt == torch.int64 else 1 if dt == torch.bool else F32)
+        w[name] = ws[off:off + n].view(dt).view(shape)
+        off += (n + 7) // 8 * 8
+    (t, e), g, kg, k = w["scores"].shape, a["n_group"], a["topk_group"], a["top_k"]
+    inter = down.shape[2]
+    w["fill"].fill_(MOE_MASK_FILL[a["scoring"]])
+    torch.mm(x, router.t(), out=w["choice"])  # the logits, for now
+    if a["scoring"] == "sigmoid":
+        torch.sigmoid(w["choice"], out=w["scores"])
+    else:
+        torch.softmax(w["choice"], dim=-1, out=w["scores"])
+    choice = w["choice"]
+    if bias is not None:
+        torch.add(w["scores"], bias, out=choice)
+    else:
+        choice.copy_(w["scores"])
+    if kg < g:
+        grouped = choice.view(t, g, e // g)
+        if a["group_score"] == "top2_sum":
+            gs, go = w["group_sorted"].view(t, g, e // g), w["group_order"].view(t, g, e // g)
+            torch.sort(grouped, dim=2, descending=True, stable=True, out=(gs, go))
+            torch.sum(gs[..., :2], dim=2, out=w["group_scores"])
+        else:
+            torch.amax(grouped, dim=2, out=w["group_scores"])
+        torch.sort(w["group_scores"], dim=1, descending=True, stable=True, out=(w["best_sorted"], w["best_order"]))
+        w["drop"].fill_(True)
+        w["drop"].scatter_(1, w["best_order"][:, :kg], False)
+        w["drop_e"].view(t, g, e // g).copy_(w["drop"].unsqueeze(2).expand(t, g, e // g))
+        choice.masked_fill_(w["drop_e"], w["fill"])
+    torch.sort(choice, dim=1, descending=True, stable=True, out=(w["sorted"], w["order"]))
+    idx = w["order"][:, :k]
+    weights = w["weights"]
+    torch.gather(w["scores"], 1, idx, out=weights)
+    if kg < g:
+        torch.gather(w["drop_e"], 1, idx, out=w["picked_drop"])
+        weights.masked_fill_(w["picked_drop"], w["fill"])
+    if a["norm_topk"]:
+        torch.sum(weights, dim=-1, keepdim=True, out=w["total"])
+        if a["norm_eps"]:
+            w["total"].add_(w["eps"].fill_(a["norm_eps"]))
+        weights.div_(w["total"])
+    weights.mul_(w["scale"].fill_(a["routed_scale"]))
+    # The experts: token-slots sorted by expert, one GEMM per expert over its run of slots.
+    w["ids"].view(t, k).copy_(idx)
+    torch.sort(w["ids"], stable=True, out=(w["ids_sorted"], w["slots"]))
+    torch.floor_divide(w["slots"], w["k"].fill_(k), out=w["tokens"])
+    torch.arange(e + 1, out=w["experts"])
+    torch.searchsorted(w["ids_sorted"], w["experts"], out=w["starts"])
+    bounds = w["starts"].tolist()
+    for ex in range(e):
+        lo, hi = bounds[ex], bounds[ex + 1]
+        if lo == hi:
+            continue
+        xe, gu, act, y = w["x"][lo:hi], w["gate_up"][lo:hi], w["act"][lo:hi], w["y"][lo:hi]
+        torch.index_select(x, 0, w["tokens"][lo:hi], out=xe)
+        torch.mm(xe, gate_up[ex].t(), out=gu)
+        torch.ops.aten.silu.out(gu[:, :inter], out=act)
+        act.mul_(gu[:, inter:])
+        torch.mm(act, down[ex].t(), out=y)
+        w["rows"].index_copy_(0, w["slots"][lo:hi], y)
+    w["rows"].mul_(weights.view(-1, 1))
+    torch.sum(w["rows"].view(t, k, -1), dim=1, out=outs[0])
     return True

@@ -8,6 +8,7 @@ Each op is declared once, with everything the compiler and the runtime need:
 - `infer(in_types, attrs) -> out_types`  shape and dtype rule (verifier, frontends)
 - `kernel(inputs, attrs) -> tensors`      reference kernel in torch (runtime, folding)
 - `flops(in_types, out_types, attrs)`     cost model; bytes default to inputs + outputs
+- `traffic(in_types, out_types, attrs)`   bytes moved, where an op reads only part of an operand
 - `unit`                                  execution unit: cube (matrix), vector, dma, none
 
 Input names ending in `?` are optional (may be absent at the end); a name starting
@@ -58,6 +59,7 @@ FlopsFn = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any
 # (inputs, attrs, output slots, workspace or None) -> handled; see ir/out_kernels.py
 OutKernelFn = Callable[..., bool]
 WorkspaceFn = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
+BytesFn = Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], int]
 
 
 def _elementwise_flops(ins: Sequence[TensorType], outs: Sequence[TensorType], attrs: Mapping[str, Any]) -> int:
@@ -81,6 +83,8 @@ class OpDef:
     # The allocation-free form of `kernel` and the scratch bytes it needs (ir/out_kernels.py).
     out_kernel: OutKernelFn | None = None
     workspace: WorkspaceFn | None = None
+    # Bytes moved, when not every operand is read whole (an MoE reads its selected experts).
+    traffic: BytesFn | None = None
 
     def workspace_bytes(self, ins: Sequence[TensorType], outs: Sequence[TensorType], attrs: Mapping[str, Any]
                         ) -> int:
@@ -92,7 +96,10 @@ class OpDef:
         required = sum(1 for i in self.inputs if not i.endswith("?"))
         return required <= n <= len(self.inputs)
 
-    def bytes(self, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
+    def bytes(self, ins: Sequence[TensorType], outs: Sequence[TensorType],
+              attrs: Mapping[str, Any] | None = None) -> int:
+        if self.traffic is not None:
+            return self.traffic(ins, outs, self.full_attrs(attrs or {}))
         return sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
 
     def check_attrs(self, attrs: Mapping[str, Any]) -> list[str]:
@@ -136,6 +143,7 @@ def op(
     unit: str = "vector",
     doc: str = "",
     inplace: int | None = None,
+    traffic: BytesFn | None = None,
 ) -> Callable[[InferFn], InferFn]:
     """Declare an op; decorates its shape/dtype rule."""
 
@@ -143,7 +151,7 @@ def op(
         if name in REGISTRY:
             raise InternalError(f"op {name!r} declared twice")
         REGISTRY[name] = OpDef(name, tuple(inputs), dict(attrs or {}), infer, kernel, flops, unit, doc,
-                                 inplace=inplace)
+                                 inplace=inplace, traffic=traffic)
         return infer
 
     return deco

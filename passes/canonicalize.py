@@ -11,6 +11,10 @@ fusions downstream need to know only that form.
     %y = reshape(reshape(%x))            ->  %y = reshape(%x)
     %y = reshape(%x)        (same shape) ->  %x
     %y = matmul(%x, @w : [k, n])         ->  %y = linear[weight_layout="kn"](%x, @w)  (the weight as stored)
+    %y = transpose[p](scatter_nd(transpose[p](%x), @rows, transpose[p](%src)))
+                                         ->  %y = slice_scatter[axis=a, start:end:step](%x, %src)
+         (p swaps axes 0 and a; @rows a constant arithmetic run: how the ONNX exporter
+          writes `x[..., start:end] = src`)
 
 Left alone: a division by a constant with more than one element (x / c is not
 x * (1/c) bit for bit when c varies, and the fusions do not need it), and a
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from npuc.ir import Value
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, const, op, var
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, op, var
 
 
 def _is_float(v: Value) -> bool:
@@ -38,6 +42,40 @@ def _div_by_const(b: Builder, m: Match) -> Value:
     c = m.data("c").double()
     inv = (1.0 / c).to(m.data("c").dtype)
     return b.op("mul", [m["x"], b.const(f"{m['c'].name}_inv", inv)])
+
+
+def _swap0(perm: object) -> int | None:
+    """The axis a that `perm` swaps with axis 0 (a self-inverse permutation), else None."""
+    p = tuple(perm) if isinstance(perm, (list, tuple)) else ()
+    a = p[0] if p else 0
+    if a == 0 or a >= len(p) or p[a] != 0 or any(x != i for i, x in enumerate(p) if i not in (0, a)):
+        return None
+    return a
+
+
+def _scatter_rows(m: Match) -> tuple[int, int, int, int] | str:
+    """(axis, start, end, step) of a scatter_nd that writes a run of rows, or why not."""
+    perms = [m.node(k).attrs["perm"] for k in ("outer", "tsrc")] + \
+        ([m.node("tx").attrs["perm"]] if "tx" in m.nodes else [])
+    a = _swap0(perms[0])
+    if a is None or any(tuple(p) != tuple(perms[0]) for p in perms):
+        return "the transposes are not one swap of axis 0"
+    if m.node("scatter").attrs.get("reduction", "none") != "none" or m["idx"].type.rank != 2 \
+            or m["idx"].type.shape[1] != 1 or not getattr(m["idx"].const, "in_memory", False):
+        return "not a plain row scatter"
+    rows = m.data("idx").reshape(-1).long().tolist()
+    step = rows[1] - rows[0] if len(rows) > 1 else 1
+    if not rows or step <= 0 or rows != list(range(rows[0], rows[0] + step * len(rows), step)):
+        return "the rows are not an arithmetic run"
+    return a, rows[0], rows[0] + step * (len(rows) - 1) + 1, step
+
+
+def _scatter_to_slice_scatter(b: Builder, m: Match) -> Value:
+    found = _scatter_rows(m)
+    assert not isinstance(found, str), found
+    a, start, end, step = found
+    x = m["x"] if "x" in m.values else b.op("transpose", [m["data"]], {"perm": m.node("outer").attrs["perm"]})
+    return b.op("slice_scatter", [x, m["src"]], {"axis": a, "start": start, "end": end, "step": step})
 
 
 def _matmul_to_linear(b: Builder, m: Match) -> Value:
@@ -69,6 +107,11 @@ class Canonicalize(RewritePass):
                  lambda b, m: b.op("reshape", [m["x"]], {"shape": m["outer"].type.shape})),
             Rule("identity-reshape", op("reshape", var("x"), where=lambda n: n.inputs[0].type == n.outputs[0].type),
                  lambda b, m: m["x"]),
+            Rule("scatter-nd-to-slice-scatter",
+                 op("transpose", op("scatter_nd", any_of(op("transpose", var("x"), bind="tx"), const("data")),
+                                    const("idx"), op("transpose", var("src"), bind="tsrc"), bind="scatter"),
+                    bind="outer"),
+                 _scatter_to_slice_scatter, check=lambda m: r if isinstance(r := _scatter_rows(m), str) else None),
             Rule("matmul-to-linear",
                  op("matmul", var("x", lambda v: v.type.rank >= 2),
                     var("w", lambda v: v.is_const and v.type.rank == 2)), _matmul_to_linear),

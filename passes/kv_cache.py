@@ -19,6 +19,15 @@ shared by every program of the model, and writes the new keys and values into th
       %wk = kv_write(%kv_cache.0.k, %k, %position)
       %o = cached_attention(%q, %wk, %wv, %position)           keys 0..position
 
+DeepSeek's latent attention (`mla_attention`, see mla_fusion.py) caches what its
+tokens project to, not per-head keys and values: one state `kv_cache.<i>.latent` of
+[batch, 1, cache_len, r + dr] holds each token's latent and shared rope key, so a
+token costs (r + dr) values per layer instead of 2 x heads x head_dim:
+
+    %kv = concat[axis=3](%c, %k_rot)
+    %wkv = kv_write(%kv_cache.0.latent, %kv, %position)
+    %o = mla_attention(%q_nope, %q_rot, %wkv, @w_uk, @w_uv, %position)    decode: over the cache
+
 RoPE moves with the token: every `rope_lut` reads its rows at the program's positions
 from tables that cover 0..max_seq_len-1 (`tables`, taken from the same model traced at
 that length; each program's own rows must agree with them, which also picks the table
@@ -72,7 +81,7 @@ class KVCache(Pass):
     trace_position: int = 0
 
     def call(self, g: Graph) -> PassResult:
-        attn = [n for n in g.nodes if n.op == "fused_attention"]
+        attn = [n for n in g.nodes if n.op in ("fused_attention", "mla_attention")]
         if not attn:
             raise _refuse("the graph has no fused attention to cache")
         seq = attn[0].inputs[0].type.shape[2]
@@ -96,9 +105,12 @@ class KVCache(Pass):
         shared: dict[int, tuple[Value, Value]] = {}
         for r in ropes:
             self._rope(g, r, pos, seq, shared)
-        return PassResult(g, True, {"caches": 2 * len(attn), "rope_lut": len(ropes)})
+        return PassResult(g, True, {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)})
 
     def _attention(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
+        if n.op == "mla_attention":
+            self._latent(g, n, i, pos, seq)
+            return
         q, k, v = n.inputs[:3]
         if q.type.shape[2] != seq:
             raise _refuse(f"attention {n.name} has {q.type.shape[2]} queries, another has {seq}")
@@ -117,6 +129,23 @@ class KVCache(Pass):
         if self.role == "decode":
             new = g.add_node("cached_attention", [q, *states, pos], [n.outputs[0].type],
                              {"scale": n.attrs["scale"]}, names=n.name + ".cached", before=n)
+            g.replace_all_uses_with(n.outputs[0], new.outputs[0])
+            g.remove_node(n)
+
+    def _latent(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
+        kv = n.inputs[2]
+        if n.inputs[0].type.shape[2] != seq or kv.type.shape[2] != seq:
+            raise _refuse(f"latent attention {n.name} has {n.inputs[0].type.shape[2]} queries, another has {seq}")
+        if self.role == "prefill" and seq > 1 and not n.attrs.get("causal", False):
+            raise _refuse(f"attention {n.name} is not causal")
+        b, _, _, width = kv.type.shape
+        st = g.add_state(f"kv_cache.{i}.latent", TensorType((b, 1, self.cache_len, width), kv.type.dtype))
+        w = g.add_node("kv_write", [st, kv, pos], [st.type], names=f"kv_cache.{i}.latent.write", before=n)
+        g.set_state_update(st, w.outputs[0])
+        if self.role == "decode":
+            new = g.add_node("mla_attention", [*n.inputs[:2], w.outputs[0], *n.inputs[3:5], pos],
+                             [n.outputs[0].type], {"scale": n.attrs["scale"], "causal": False},
+                             names=n.name + ".cached", before=n)
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)
 

@@ -11,6 +11,8 @@ from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
 from npuc.passes.kv_cache import KVCache
 from npuc.passes.manager import Pass
+from npuc.passes.mla_fusion import MLAFusion
+from npuc.passes.moe_fusion import MoEFusion
 from npuc.passes.precision import Precision
 from npuc.passes.rmsnorm_fusion import RMSNormFusion
 from npuc.passes.rope_fusion import RoPEFusion
@@ -29,8 +31,10 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         DeadCodeElimination(),
         RMSNormFusion(),
         SwiGLUFusion(),
+        MoEFusion(),                # DeepSeek's router and routed experts (after SwiGLU)
         RoPEFusion(),
         AttentionFusion(),
+        MLAFusion(),                # DeepSeek's latent attention, before the cache is laid out
         *([kv_cache] if kv_cache is not None else []),
         BiasFusion(),
         Precision(precision_mode, keep_dtype),
@@ -43,4 +47,5 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
 
 def rope_table_pipeline() -> list[Pass]:
     """What the model needs to go through before its RoPE tables are `rope_lut` operands."""
-    return default_pipeline()[:8]
+    passes = default_pipeline()
+    return passes[:next(i for i, p in enumerate(passes) if isinstance(p, RoPEFusion)) + 1]

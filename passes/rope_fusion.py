@@ -16,6 +16,14 @@ tables are applied and hands them to `rope_lut` with the position ids.
   ->
     %y = rope_lut[layout="deinterleave"](%x, @positions, @cos_table, @sin_table)
 
+    %p = reshape(%x) [b, h, s, d/2, 2]                      complex pairs (DeepSeek-V2's
+    %a = slice(%p, 0:1), %b = slice(%p, 1:2)                 view_as_complex(x) * freqs_cis,
+    %y = reshape(concat[axis=-1](                            as the torch frontend writes it)
+           sub(mul(%a, @cos), mul(%b, @sin)), add(mul(%a, @sin), mul(%b, @cos)))) [b, h, s, d]
+  ->
+    %y = rope_lut[layout="interleaved"](reshape(%x) [b, h, s, d], @positions, @cos_table, @sin_table)
+    (the reshape only where %x has another shape: a single-head k [b, s, d])
+
     %y = rotary_embedding(%x, @cos, @sin [, %position_ids])   ONNX opset 23
   ->
     %y = rope_lut[layout="half" | "interleaved"](...)
@@ -151,6 +159,53 @@ def _pairs_pattern() -> object:
     return op("concat", real, imag, bind="cat")
 
 
+# -- complex pairs: interleaved in, interleaved out --------------------------------------------
+
+def _complex_check(m: Match) -> str | None:
+    # The rotation is typed by its result y [batch, heads, seq, d]: x may be the same data in
+    # another shape (k's single head: [batch, seq, d] viewed straight as pairs).
+    y = m.matched[0].outputs[0].type
+    if y.rank != 4:
+        return "the result is not [batch, heads, seq, dim]"
+    seq, d = y.shape[-2:]
+    if d % 2 or m.node("p").outputs[0].type.shape != y.shape[:-1] + (d // 2, 2):
+        return "x is not viewed as [.., d/2, 2] pairs"
+    if not (_last(m.node("re")) and _last(m.node("im")) and _last(m.node("cat"))):
+        return "the parts are not taken along the pairs' axis"
+    ra, ia = _attrs(m.node("re")), _attrs(m.node("im"))
+    if (ra["start"], ra["end"], ra["step"], ia["start"], ia["end"], ia["step"]) != (0, 1, 1, 1, 2, 1):
+        return "the slices are not the real and imaginary parts"
+    for name in ("cos", "sin"):
+        t = m[name].type
+        if t.rank < 3 or t.shape[-3:] != (seq, d // 2, 1):
+            return f"{name} table {t} is not [.., {seq}, {d // 2}, 1]"
+        if _rows(m.data(name).squeeze(-1), seq) is None:
+            return "the cos/sin tables vary along batch or heads"
+    return None
+
+
+def _complex_rewrite(b: Builder, m: Match) -> Value:
+    x, y = m["x"], m.matched[0].outputs[0].type
+    if x.type.shape != y.shape:
+        x = b.op("reshape", [x], {"shape": y.shape})
+    seq, dt = y.shape[-2], y.dtype.torch
+    tables = []
+    for name in ("cos", "sin"):
+        rows = _rows(m.data(name).squeeze(-1), seq)
+        assert rows is not None  # the check refused this already
+        tables.append(b.const(f"{m[name].name}_lut", rows.to(dt).contiguous()))
+    return b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": "interleaved"})
+
+
+def _complex_pattern() -> object:
+    pairs = op("reshape", var("x"), bind="p")
+    re, im = op("slice", pairs, bind="re"), op("slice", pairs, bind="im")
+    cos, sin = var("cos", _const), var("sin", _const)
+    real = op("sub", op("mul", re, cos), op("mul", im, sin))
+    imag = op("add", op("mul", re, sin), op("mul", im, cos))
+    return op("reshape", op("concat", real, imag, bind="cat"))
+
+
 # -- ONNX RotaryEmbedding ------------------------------------------------------------------------
 
 def _onnx_check(m: Match) -> str | None:
@@ -186,6 +241,7 @@ class RoPEFusion(RewritePass):
         return [
             Rule("rope-half", _half_pattern(), _lut("half", half_width=False), _half_check),
             Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", half_width=True), _pairs_check),
+            Rule("rope-complex", _complex_pattern(), _complex_rewrite, _complex_check),
             Rule("rope-onnx", onnx3, _onnx_rewrite, _onnx_check),
             Rule("rope-onnx-positions", onnx4, _onnx_rewrite, _onnx_check),
         ]

@@ -107,4 +107,5 @@ def test_graph_roundtrips_and_verifies_after_every_pass(arch: str, hf_checkpoint
     # Mask construction and RoPE tables fold away; what is left is the model's real work.
     ops = {n.op for n in g.nodes}
     assert {"arange", "cumsum", "index", "cos", "sin", "full"}.isdisjoint(ops), ops
-    assert "fused_attention" in ops and "linear" in ops
+    attention = "mla_attention" if arch.startswith("deepseek") else "fused_attention"  # DeepSeek's MLA
+    assert attention in ops and "linear" in ops

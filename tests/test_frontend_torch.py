@@ -108,6 +108,24 @@ def test_unsupported_via_cli_has_no_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "u.om").exists()
 
 
+class Extremes(nn.Module):
+    """x.max(dim) and x.min(dim, keepdim): values and indices (DeepSeek-V2's group scores)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hi = x.max(dim=-1)
+        lo = x.min(dim=1, keepdim=True)
+        return hi.values, hi.indices, lo.values, lo.indices
+
+
+def test_max_and_min_along_a_dim(tmp_path: Path) -> None:
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 1] = x[0, 0, 3] = 9.0  # a tie: torch gives the first index
+    out = npuc.load(npuc.compile(Extremes(), input_shape="x:3,4,5", output=str(tmp_path / "x"))).run({"x": x})
+    for got, want in zip(out.values(), Extremes()(x), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_tied_embeddings_checkpoint(tmp_path: Path) -> None:
     import transformers
     from hf_models import COMMON

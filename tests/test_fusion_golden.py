@@ -21,7 +21,9 @@ GOLDEN = {
     "qwen2": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15, "add": 4},
     "mistral": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 15, "add": 4},
     "phi3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 5, "swiglu": 2, "linear": 9, "add": 4},
-    "deepseek_v3": {"fused_attention": 2, "rope_lut": 4, "rms_norm": 9, "swiglu": 2, "linear": 17, "add": 4},
+    # MLA: the per-head key/value expansion (kv_b_proj) is absorbed into one mla_attention per layer
+    "deepseek_v3": {"mla_attention": 2, "fused_attention": 0, "rope_lut": 4, "rms_norm": 9, "swiglu": 2,
+                    "linear": 15, "add": 4},
 }
 # Nothing of the unfused forms may be left: no softmax, pow, mean, trigonometry, rotate-half
 # negation, sigmoid gate, separate rsqrt, matmul with a weight, or bias add.
@@ -50,8 +52,8 @@ def test_golden_op_counts(arch: str, path: str, hf_checkpoints: dict[str, Path],
     assert not FORBIDDEN & set(ops), f"{arch}/{path} keeps {sorted(FORBIDDEN & set(ops))}: {dict(ops)}"
     # Every attention is causal through the flag, not a mask operand.
     for n in g.nodes:
-        if n.op == "fused_attention":
-            assert n.attrs["causal"] and len(n.inputs) == 3, n
+        if n.op in ("fused_attention", "mla_attention"):
+            assert n.attrs["causal"] and len(n.inputs) == (3 if n.op == "fused_attention" else 5), n
 
 
 @pytest.mark.parametrize("path", PATHS)

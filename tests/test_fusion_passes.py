@@ -1051,6 +1051,73 @@ def test_rope_deinterleave_refuses_tables_that_vary_along_heads() -> None:
             {"cos": cos, "sin": PAIRS_DATA["sin"]})
 
 
+ROPE_COMPLEX = """
+    graph main(%x : f32[1,2,4,8]) {
+      const @cos : f32[1,1,4,4,1]
+      const @sin : f32[1,1,4,4,1]
+      %p : f32[1,2,4,4,2] = reshape[shape=[1,2,4,4,2]](%x)
+      %a : f32[1,2,4,4,1] = slice[axis=4, end=1, start=0, step=1](%p)
+      %b : f32[1,2,4,4,1] = slice[axis=4, end=2, start=1, step=1](%p)
+      %ac : f32[1,2,4,4,1] = mul(%a, @cos)
+      %bs : f32[1,2,4,4,1] = mul(%b, @sin)
+      %re : f32[1,2,4,4,1] = sub(%ac, %bs)
+      %as : f32[1,2,4,4,1] = mul(@sin, %a)
+      %bc : f32[1,2,4,4,1] = mul(%b, @cos)
+      %im : f32[1,2,4,4,1] = add(%bc, %as)
+      %c : f32[1,2,4,4,2] = concat[axis=4](%re, %im)
+      %y : f32[1,2,4,8] = reshape[shape=[1,2,4,8]](%c)
+      return %y
+    }
+    """
+COMPLEX_DATA = {"cos": FREQS.cos()[None, None, :, :, None], "sin": FREQS.sin()[None, None, :, :, None]}
+
+
+def test_rope_complex_pairs() -> None:
+    # -- rope-fusion (rope-complex): view_as_complex(x) * freqs_cis, as the torch frontend writes it --
+    check(RoPEFusion(), ROPE_COMPLEX, """
+        graph main(%x : f32[1,2,4,8]) {
+          const @cos : f32[1,1,4,4,1]
+          const @sin : f32[1,1,4,4,1]
+          const @cos_lut : f32[4,4]
+          const @sin_lut : f32[4,4]
+          const @positions_4 : i64[4]
+          %y : f32[1,2,4,8] = rope_lut[layout="interleaved"](%x, @positions_4, @cos_lut, @sin_lut)
+          return %y
+        }
+        """, COMPLEX_DATA, numerics=True)
+
+
+def test_rope_complex_single_head_viewed_straight_as_pairs() -> None:
+    # -- rope-fusion (rope-complex): DeepSeek's shared k [batch, seq, d] reshaped to one head's pairs --
+    src = ROPE_COMPLEX.replace("%x : f32[1,2,4,8]", "%x : f32[1,4,8]").replace("1,2,4,", "1,1,4,")
+    check(RoPEFusion(), src, """
+        graph main(%x : f32[1,4,8]) {
+          const @cos : f32[1,1,4,4,1]
+          const @sin : f32[1,1,4,4,1]
+          const @cos_lut : f32[4,4]
+          const @sin_lut : f32[4,4]
+          const @positions_4 : i64[4]
+          %y_reshape : f32[1,1,4,8] = reshape[shape=[1,1,4,8]](%x)
+          %y : f32[1,1,4,8] = rope_lut[layout="interleaved"](%y_reshape, @positions_4, @cos_lut, @sin_lut)
+          return %y
+        }
+        """, COMPLEX_DATA, numerics=True)
+
+
+def test_rope_complex_refuses_parts_swapped() -> None:
+    # -- rope-fusion: %a is the imaginary part and %b the real one: not this rotation --
+    src = ROPE_COMPLEX.replace("end=1, start=0", "end=9, start=8").replace("end=2, start=1", "end=1, start=0") \
+        .replace("end=9, start=8", "end=2, start=1")
+    refuses(RoPEFusion(), src, "rope-complex", "the slices are not the real and imaginary parts", COMPLEX_DATA)
+
+
+def test_rope_complex_refuses_tables_that_vary_along_heads() -> None:
+    # -- rope-fusion: a [1,2,4,4,1] table per head --
+    cos = torch.stack([FREQS.cos(), FREQS.cos() + 1])[None, :, :, :, None]
+    refuses(RoPEFusion(), ROPE_COMPLEX.replace("const @cos : f32[1,1,4,4,1]", "const @cos : f32[1,2,4,4,1]"),
+            "rope-complex", "the cos/sin tables vary along batch or heads", {"cos": cos, "sin": COMPLEX_DATA["sin"]})
+
+
 ROPE_ONNX = """
     graph main(%x : f32[1,2,4,8]) {
       const @cos : f32[1,4,4]

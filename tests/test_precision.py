@@ -81,10 +81,18 @@ def test_rope_tables_stay_f32_when_f16_would_change_them(hf_checkpoints: dict[st
     ropes = [n for n in g.nodes if n.op == "rope_lut"]
     assert ropes and all(n.inputs[2].type.dtype == DType.f32 and n.inputs[0].type.dtype == DType.f16 for n in ropes)
     assert res.details["rope_tables_f32"]
+    assert all(d.split()[1] == "f32" for d in res.details["rope_tables"])  # "name kept-dtype change"
     g = _fused(hf_checkpoints)
     res = Precision("force_fp16")(g)  # within the default 1e-3, the tables go f16
     assert all(n.inputs[2].type.dtype == DType.f16 for n in g.nodes if n.op == "rope_lut")
     assert not res.details["rope_tables_f32"]
+    name, dtype, change = res.details["rope_tables"][0].split()
+    assert dtype == "f16" and 0 < float(change) <= 2 ** -12
+    for mode in ("allow_fp32_to_fp16", "allow_mix_precision_bf16"):  # rope_lut is not a matrix-unit op
+        g = _fused(hf_checkpoints)
+        res = Precision(mode)(g)
+        assert all(n.inputs[2].type.dtype == DType.f32 for n in g.nodes if n.op == "rope_lut")
+        assert not res.details["rope_tables"]
 
 
 def test_half_precision_reductions_accumulate_in_f32() -> None:
@@ -144,5 +152,38 @@ def test_filecheck_force_fp16() -> None:
   %b_f16 : f16[2,8] = silu(%a_f16)
   %b : f32[2,8] = cast[dtype=f32](%b_f16)
   return %b
+}
+"""
+
+
+def test_filecheck_kv_cache_readers_keep_the_cache_dtype() -> None:
+    # kv_write writes the f32 state in place and cached_attention reads it: both stay f32
+    # (converting the reader would cast the whole cache every step); the query's producer converts
+    from npuc.ir import TensorSource, parse_graph
+
+    g = parse_graph("""graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
+  const @w : f32[16,16]
+  state %kv_cache.0.k : f32[1,2,32,16]
+  %q : f32[1,2,1,16] = linear(%x, @w)
+  %wk : f32[1,2,32,16] = kv_write(%kv_cache.0.k, %k, %pos)
+  %o : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)
+  update %kv_cache.0.k = %wk
+  return %o
+}
+""")
+    g.constants["w"].const = TensorSource(torch.randn(16, 16))
+    res = Precision("force_fp16")(g)
+    assert res.details["reads_state"] == ["o"] and res.details["converted"] == ["q"]
+    assert str(g) == """graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
+  const @w : f32[16,16]
+  state %kv_cache.0.k : f32[1,2,32,16]
+  %x_f16 : f16[1,2,1,16] = cast[dtype=f16](%x)
+  %w_f16 : f16[16,16] = cast[dtype=f16](@w)
+  %q_f16 : f16[1,2,1,16] = linear(%x_f16, %w_f16)
+  %q : f32[1,2,1,16] = cast[dtype=f32](%q_f16)
+  %wk : f32[1,2,32,16] = kv_write(%kv_cache.0.k, %k, %pos)
+  %o : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)
+  update %kv_cache.0.k = %wk
+  return %o
 }
 """
