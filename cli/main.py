@@ -157,7 +157,7 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(",", " ").split()]  # commas, spaces or both
     except ValueError:
         ids = []
     if not ids or any(i < 0 for i in ids):
@@ -168,7 +168,8 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.argument("om")
-@click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...", help="The prompt as token ids.")
+@click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...",
+              help="The prompt as token ids, separated by commas or spaces.")
 @click.option("--prompt", default=None, metavar="TEXT", help="The prompt as text (the .om must hold a tokenizer).")
 @click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=click.IntRange(min=1), default=32,
               show_default=True)

@@ -32,6 +32,17 @@ class GenerationInfo:
     batch: int
     eos: frozenset[int]
     ids_name: str
+    vocab: int  # token ids the model can embed: the rows of the table the ids index
+
+
+def _vocab(s: Session) -> int:
+    prog = s.programs["prefill"]
+    ids = prog.input_ids[0]
+    for st in prog.steps:  # the embedding: a gather of a weight table by the ids
+        if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] == ids:
+            table = s.tensors[st.inputs[0]]
+            return int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])
+    return int(prog.outputs[0].shape[-1])  # no gather of the ids: the logits' width
 
 
 def generation_info(s: Session) -> GenerationInfo:
@@ -41,7 +52,7 @@ def generation_info(s: Session) -> GenerationInfo:
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
     ids = s.programs["prefill"].inputs[0]
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
-    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name)
+    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s))
 
 
 def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> Iterator[int]:
@@ -61,6 +72,10 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     if len(prompt) >= info.max_seq_len:
         raise NpucError("NPUC-E0125", f"the prompt has {len(prompt)} tokens; the model caches {info.max_seq_len}",
                         "shorten the prompt or recompile with a larger --max_seq_len", exit_code=EXIT_USAGE)
+    bad = next((t for t in prompt if not 0 <= t < info.vocab), None)
+    if bad is not None:
+        raise NpucError("NPUC-E0125", f"token id {bad} is outside the model's vocabulary of {info.vocab}",
+                        f"prompt ids are 0..{info.vocab - 1}", exit_code=EXIT_USAGE)
     if info.batch != 1:
         raise NpucError("NPUC-E0125", f"the model was compiled for batch {info.batch}; generate decodes one sequence",
                         "compile with --input_shape input_ids:1,N", exit_code=EXIT_USAGE)

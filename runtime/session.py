@@ -104,6 +104,7 @@ class Session:
         self.state_bytes = int(model.state_bytes)
         self._cache_rows = min((t.shape[2] for t in self.tensors if t.region == "state" and len(t.shape) == 4),
                                default=0)
+        self._table_rows = {(p.name, tid): rows for p in self.programs.values() for tid, rows in self._tables(p)}
         self._check_bounds()
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -157,6 +158,16 @@ class Session:
                             "its programs are " + ", ".join(self.programs), exit_code=EXIT_USAGE)
         return self.programs[name]
 
+    def _tables(self, p: Program) -> list[tuple[int, int]]:
+        """(input id, rows) for each input that directly indexes a weight table (token ids)."""
+        found = []
+        for st in p.steps:
+            if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] in p.input_ids:
+                table = self.tensors[st.inputs[0]]
+                if table.region == "weights" and table.shape:
+                    found.append((st.inputs[1], int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])))
+        return found
+
     def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True,
             on_step: Callable[[str, str, list[torch.Tensor]], None] | None = None) -> dict[str, torch.Tensor]:
         """Run `program` (the first one by default) on `inputs` (name -> array). With
@@ -188,6 +199,11 @@ class Session:
                     raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the KV cache's "
                                     f"{self._cache_rows} rows", "positions run from 0 to --max_seq_len - 1",
                                     exit_code=EXIT_USAGE)
+            rows = self._table_rows.get((p.name, tid), 0)
+            bad = next((i for i in x.reshape(-1).tolist() if not -rows <= i < rows), None) if rows else None
+            if bad is not None:
+                raise NpucError("NPUC-E0108", f"input {t.name!r} holds {bad}, outside the {rows} rows of the table "
+                                "it indexes", f"its values index an embedding: 0..{rows - 1}", exit_code=EXIT_USAGE)
             self.views[tid].copy_(x)
         views = self.views
         with torch.no_grad():

@@ -132,6 +132,7 @@ def test_generation_stops_at_eos_and_at_a_full_cache(gen_models: dict[str, Path]
 
 @pytest.mark.parametrize("argv, code, msg", [
     (["--prompt-ids", "1,x"], "NPUC-E0125", "not a list of token ids"),
+    (["--prompt-ids", "5,128"], "NPUC-E0125", "token id 128 is outside the model's vocabulary of 128"),
     ([], "NPUC-E0125", "exactly one of"),
     (["--prompt-ids", ",".join(["1"] * MAX_SEQ)], "NPUC-E0125", "caches 48"),
     (["--prompt", "hello"], "NPUC-E0126", "no tokenizer"),
@@ -141,6 +142,13 @@ def test_cli_generate_errors(argv: list[str], code: str, msg: str, gen_models: d
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert code in r.stderr and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prompt_ids_may_be_separated_by_spaces(gen_models: dict[str, Path]) -> None:
+    runs = [subprocess.run([sys.executable, "-m", "npuc", "generate", str(gen_models["llama"]), "--prompt-ids", ids,
+                            "--max-new-tokens", "4", "--ignore-eos"], capture_output=True, text=True, check=True)
+            for ids in ("5,17,3", "5 17 3", "5, 17, 3")]
+    assert len({r.stdout for r in runs}) == 1 and len(runs[0].stdout.split()) == 4
 
 
 def test_generate_needs_a_decode_program(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -235,3 +243,14 @@ def test_decode_position_outside_the_cache_is_a_user_error(gen_models: dict[str,
     for pos in (-1, 48):
         with pytest.raises(NpucError, match="NPUC-E0108.*outside the KV cache"):
             sess.run({"input_ids": torch.tensor([[5]]), "position": torch.tensor([pos])}, "decode")
+
+
+def test_token_ids_outside_the_embedding_are_a_user_error(gen_models: dict[str, Path], tmp_path: Path) -> None:
+    import numpy as np
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([[5, 500, 3, 4, 5, 6, 7, 8]], dtype=np.int64))
+    r = subprocess.run([sys.executable, "-m", "npuc", "run", str(gen_models["llama"]), "--input", f"input_ids={ids}",
+                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "NPUC-E0108" in r.stderr and "holds 500, outside the 128 rows" in r.stderr
