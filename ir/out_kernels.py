@@ -239,6 +239,10 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
 
 
 def _mla_ws(ins: T, outs: T, a: A) -> int:
+    from npuc.ir.ops import mla_absorbed
+
+    if not mla_absorbed(ins) or (len(ins) == 5 and a["causal"]):
+        return 0  # the reference kernel's case (a prefill): no scratch to plan
     b, h, s, _ = ins[0].shape
     r, dr, n = ins[3].shape[2], ins[1].shape[3], ins[2].shape[2]
     return (b * h * s * (r + (r + dr) + n + r) + 1) * F32
