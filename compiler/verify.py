@@ -200,29 +200,22 @@ def _kind(dt: DType | np.dtype[Any] | torch.dtype) -> str:
     return "float" if dt.kind in "fc" else "bool" if dt.kind == "b" else "int" if dt.kind in "iu" else dt.kind
 
 
-def _embedding_rows(sess: Any, prog: Any) -> tuple[dict[int, int], int | None]:
-    """Rows of the weight tables each input indexes directly (input tensor id -> rows),
-    and of the first table any gather reads (the vocabulary, if the model shows one)."""
-    direct: dict[int, int] = {}
-    first: int | None = None
+def _first_table_rows(sess: Any, prog: Any) -> int | None:
+    """Rows of the first weight table any gather reads (the vocabulary, if the model shows one)."""
     for st in prog.steps:
-        if st.opdef.name != "gather" or len(st.inputs) < 2:
-            continue
-        table = sess.tensors[st.inputs[0]]
-        if table.region != "weights" or not table.shape:
-            continue
-        rows = int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])
-        first = rows if first is None else first
-        direct.setdefault(st.inputs[1], rows)
-    return direct, first
+        if st.opdef.name == "gather" and len(st.inputs) >= 2:
+            table = sess.tensors[st.inputs[0]]
+            if table.region == "weights" and table.shape:
+                return int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])
+    return None
 
 
 def _random_inputs(sess: Any, prog: Any, seed: int) -> tuple[dict[str, torch.Tensor], list[InputInfo]]:
     rng = np.random.default_rng(seed)
-    direct, vocab = _embedding_rows(sess, prog)
+    direct, vocab = sess.index_rows(prog.name), _first_table_rows(sess, prog)
     feeds: dict[str, torch.Tensor] = {}
     infos: list[InputInfo] = []
-    for tid, t in zip(prog.input_ids, prog.inputs, strict=True):
+    for t in prog.inputs:
         kind = _kind(t.dtype)
         if kind == "float":
             x = torch.from_numpy(rng.standard_normal(t.shape).astype(np.float32)).to(t.dtype.torch)
@@ -237,9 +230,9 @@ def _random_inputs(sess: Any, prog: Any, seed: int) -> tuple[dict[str, torch.Ten
             x = x.to(t.dtype.torch)
             origin = "0..n-1" if t.name == "position_ids" else "all zeros"
         else:
-            high = direct.get(tid, vocab if vocab is not None else DEFAULT_VOCAB)
+            high = direct.get(t.name, vocab if vocab is not None else DEFAULT_VOCAB)
             x = torch.from_numpy(rng.integers(0, max(high, 1), size=t.shape, dtype=np.int64)).to(t.dtype.torch)
-            why = "the embedding table's rows" if tid in direct or vocab is not None else "no embedding table seen"
+            why = "the embedding table's rows" if t.name in direct or vocab is not None else "no embedding table seen"
             origin = f"random ints in [0, {high}) ({why}; seed {seed})"
         feeds[t.name] = x
         infos.append(InputInfo(t.name, str(t.dtype), t.shape, origin))

@@ -210,6 +210,12 @@ def _rope_lut(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     return True
 
 
+def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor) -> None:
+    """Scores [..., s, rows]: query i at position pos[i] sees cached rows 0..pos[i] only."""
+    for i, p in enumerate(pos.tolist()):
+        scores[..., i, p + 1:].fill_(float("-inf"))
+
+
 def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
     q, kc = ins[0], ins[1]
     b, hq, s, _ = q.shape
@@ -230,9 +236,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     scale = _scalar(ws, scores.numel() * F32, a["scale"])
     torch.matmul(q.view(b, hkv, g * s, d), kc.transpose(-1, -2), out=scores)
     scores.mul_(scale)
-    per_query = scores.view(b, hkv, g, s, length)
-    for i, p in enumerate(pos.tolist()):  # query i sees keys 0..p
-        per_query[:, :, :, i, p + 1:].fill_(float("-inf"))
+    _hide_later_rows(scores.view(b, hkv, g, s, length), pos)
     torch.softmax(scores, dim=-1, out=scores)
     torch.matmul(scores, vc, out=out.view(b, hkv, g * s, vc.shape[-1]))
     return True
@@ -250,13 +254,10 @@ def _mla_ws(ins: T, outs: T, a: A) -> int:
 
 @out_kernel("mla_attention", workspace=_mla_ws)
 def _mla_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
-    from npuc.ir.ops import mla_absorbed
-
     q_nope, q_rot, kv, w_uk, w_uv = xs[:5]
     pos = xs[5] if len(xs) > 5 else None
-    ins = [TensorType(tuple(x.shape), DType.f32) for x in xs[:5]]
-    if any(x.dtype != torch.float32 for x in xs[:5]) or not mla_absorbed(ins) or (pos is None and a["causal"]):
-        return False  # the expanded (prefill) form and causal masks: the reference kernel
+    if ws is None or any(x.dtype != torch.float32 for x in xs[:5]):
+        return False  # no scratch planned (_mla_ws): the expanded or causal form, the reference kernel's
     b, h, s, _ = q_nope.shape
     r, dr, n = w_uk.shape[2], q_rot.shape[3], kv.shape[2]
     q_lat = _f32(ws, 0, (b, h, s, r))
@@ -273,8 +274,7 @@ def _mla_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
         torch.mm(q_cat[j].view(h * s, r + dr), kv[j, 0].t(), out=scores[j].view(h * s, n))
     scores.mul_(scale)
     if pos is not None:
-        for i, p in enumerate(pos.tolist()):  # query i sees rows 0..p
-            scores[:, :, i, p + 1:].fill_(float("-inf"))
+        _hide_later_rows(scores, pos)
     torch.softmax(scores, dim=-1, out=scores)
     for j in range(b):
         torch.mm(scores[j].view(h * s, n), kv[j, 0, :, :r], out=o_lat[j].view(h * s, r))

@@ -66,6 +66,15 @@ def strip_repeat_kv(v: Value) -> Value:
     return base if base is not None and v.type.rank == 4 else v
 
 
+def hides_nothing(mask: Value) -> bool:
+    """Whether a constant mask (in memory: a weight is never read to match) masks no key:
+    what a one-token trace folds its causal mask to."""
+    if mask.const is None or not getattr(mask.const, "in_memory", False):
+        return False
+    t = mask.const.load()
+    return bool(t.all()) if t.dtype == torch.bool else bool((t == 0).all())
+
+
 def causal_mask(mask: Value, q_len: int, k_len: int) -> bool:
     """Whether a constant mask is exactly the (top-left aligned) causal mask."""
     if mask.const is None or mask.type.rank < 2 or mask.type.shape[-2:] != (q_len, k_len):

@@ -50,6 +50,7 @@ import torch
 from npuc.errors import EXIT_UNSUPPORTED, NpucError
 from npuc.ir import DType, Graph, Node, TensorType, Value
 from npuc.ir.graph import TensorSource
+from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.manager import Pass, PassResult
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -60,14 +61,6 @@ def _refuse(msg: str) -> NpucError:
                      "--max_seq_len needs a causal LM whose attention and RoPE npuc fuses "
                      "(see --fusion-report); compile without --max_seq_len for a single program",
                      exit_code=EXIT_UNSUPPORTED)
-
-
-def _trivial_mask(v: Value) -> bool:
-    """A constant mask that hides nothing (what a one-token trace folds its causal mask to)."""
-    if not v.is_const or v.const is None:
-        return False
-    t = v.const.load()
-    return bool(t.all()) if t.dtype == torch.bool else bool((t == 0).all())
 
 
 @dataclass(frozen=True)
@@ -108,46 +101,35 @@ class KVCache(Pass):
         return PassResult(g, True, {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)})
 
     def _attention(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
-        if n.op == "mla_attention":
-            self._latent(g, n, i, pos, seq)
-            return
-        q, k, v = n.inputs[:3]
-        if q.type.shape[2] != seq:
+        latent = n.op == "mla_attention"
+        q = n.inputs[0]
+        # What a token caches: its latent and rope key (MLA), or its key and value.
+        rows = [("latent", n.inputs[2])] if latent else [("k", n.inputs[1]), ("v", n.inputs[2])]
+        if q.type.shape[2] != seq or (latent and rows[0][1].type.shape[2] != seq):
             raise _refuse(f"attention {n.name} has {q.type.shape[2]} queries, another has {seq}")
-        mask = n.inputs[3] if len(n.inputs) > 3 else None
-        if mask is not None and not (self.role == "decode" and _trivial_mask(mask)):
+        mask = None if latent else (n.inputs[3] if len(n.inputs) > 3 else None)
+        if mask is not None and not (self.role == "decode" and hides_nothing(mask)):
             raise _refuse(f"attention {n.name} has a mask that is not the plain causal one")
         if self.role == "prefill" and seq > 1 and not n.attrs.get("causal", False):
             raise _refuse(f"attention {n.name} is not causal")
-        states = []
-        for kind, x in (("k", k), ("v", v)):
-            b, h, _, d = x.type.shape
-            st = g.add_state(f"kv_cache.{i}.{kind}", TensorType((b, h, self.cache_len, d), x.type.dtype))
-            w = g.add_node("kv_write", [st, x, pos], [st.type], names=f"kv_cache.{i}.{kind}.write", before=n)
-            g.set_state_update(st, w.outputs[0])
-            states.append(w.outputs[0])
-        if self.role == "decode":
-            new = g.add_node("cached_attention", [q, *states, pos], [n.outputs[0].type],
-                             {"scale": n.attrs["scale"]}, names=n.name + ".cached", before=n)
+        written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n) for kind, x in rows]
+        if self.role == "decode":  # attend over the cache, query i at position[i]
+            if latent:
+                op, ins = "mla_attention", [*n.inputs[:2], *written, *n.inputs[3:5], pos]
+                attrs = {"scale": n.attrs["scale"], "causal": False}
+            else:
+                op, ins, attrs = "cached_attention", [q, *written, pos], {"scale": n.attrs["scale"]}
+            new = g.add_node(op, ins, [n.outputs[0].type], attrs, names=n.name + ".cached", before=n)
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)
 
-    def _latent(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
-        kv = n.inputs[2]
-        if n.inputs[0].type.shape[2] != seq or kv.type.shape[2] != seq:
-            raise _refuse(f"latent attention {n.name} has {n.inputs[0].type.shape[2]} queries, another has {seq}")
-        if self.role == "prefill" and seq > 1 and not n.attrs.get("causal", False):
-            raise _refuse(f"attention {n.name} is not causal")
-        b, _, _, width = kv.type.shape
-        st = g.add_state(f"kv_cache.{i}.latent", TensorType((b, 1, self.cache_len, width), kv.type.dtype))
-        w = g.add_node("kv_write", [st, kv, pos], [st.type], names=f"kv_cache.{i}.latent.write", before=n)
+    def _write(self, g: Graph, name: str, x: Value, pos: Value, before: Node) -> Value:
+        """A state of `cache_len` rows for x's [b, heads, s, d], with x written at `pos`."""
+        b, h, _, d = x.type.shape
+        st = g.add_state(name, TensorType((b, h, self.cache_len, d), x.type.dtype))
+        w = g.add_node("kv_write", [st, x, pos], [st.type], names=f"{name}.write", before=before)
         g.set_state_update(st, w.outputs[0])
-        if self.role == "decode":
-            new = g.add_node("mla_attention", [*n.inputs[:2], w.outputs[0], *n.inputs[3:5], pos],
-                             [n.outputs[0].type], {"scale": n.attrs["scale"], "causal": False},
-                             names=n.name + ".cached", before=n)
-            g.replace_all_uses_with(n.outputs[0], new.outputs[0])
-            g.remove_node(n)
+        return w.outputs[0]
 
     def _rope(self, g: Graph, r: Node, pos: Value, seq: int, shared: dict[int, tuple[Value, Value]]) -> None:
         x, p, cos, sin = r.inputs

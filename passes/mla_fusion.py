@@ -34,11 +34,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from npuc.ir import Value, get_op
 from npuc.ir.evaluate import fold_node
 from npuc.ir.ops import linear_nk
+from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, op, var
 
 
@@ -47,14 +46,6 @@ def _expanded_key() -> object:
     by_copies = op("slice_scatter", op("slice_scatter", var("k_base"), var("k_nope"), axis=3, start=0, step=1),
                    rot, axis=3, step=1, bind="k_scatter")
     return any_of(by_copies, op("concat", var("k_nope"), rot, axis=lambda a: a in (3, -1)))
-
-
-def _trivial(v: Value) -> bool:
-    """A constant mask that hides nothing (a one-token trace's folded causal mask)."""
-    if v.const is None or v.type.numel > (1 << 16):
-        return False
-    t = v.const.load()
-    return bool(t.all()) if t.dtype == torch.bool else bool((t == 0).all())
 
 
 def _latent(m: Match) -> tuple[Value, Value, str] | str:
@@ -99,7 +90,7 @@ def _check(m: Match) -> str | None:
     if len({c.type.dtype, k_rot.type.dtype, q_nope.type.dtype}) != 1:
         return "the latent, rope key and queries have different dtypes"
     mask = m.values.get("mask")
-    if mask is not None and not _trivial(mask):
+    if mask is not None and not hides_nothing(mask):
         return "the attention has a mask that is not the causal one"
     return None
 

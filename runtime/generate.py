@@ -32,17 +32,12 @@ class GenerationInfo:
     batch: int
     eos: frozenset[int]
     ids_name: str
-    vocab: int  # token ids the model can embed: the rows of the table the ids index
+    vocab: int
 
 
-def _vocab(s: Session) -> int:
-    prog = s.programs["prefill"]
-    ids = prog.input_ids[0]
-    for st in prog.steps:  # the embedding: a gather of a weight table by the ids
-        if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] == ids:
-            table = s.tensors[st.inputs[0]]
-            return int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])
-    return int(prog.outputs[0].shape[-1])  # no gather of the ids: the logits' width
+def _vocab(s: Session, ids_name: str) -> int:
+    """Token ids the model can embed: the rows of the table the ids index, else the logits' width."""
+    return s.index_rows("prefill").get(ids_name) or int(s.programs["prefill"].outputs[0].shape[-1])
 
 
 def generation_info(s: Session) -> GenerationInfo:
@@ -52,7 +47,7 @@ def generation_info(s: Session) -> GenerationInfo:
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
     ids = s.programs["prefill"].inputs[0]
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
-    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s))
+    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name))
 
 
 def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> Iterator[int]:

@@ -104,7 +104,7 @@ class Session:
         self.state_bytes = int(model.state_bytes)
         self._cache_rows = min((t.shape[2] for t in self.tensors if t.region == "state" and len(t.shape) == 4),
                                default=0)
-        self._table_rows = {(p.name, tid): rows for p in self.programs.values() for tid, rows in self._tables(p)}
+        self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
         self._check_bounds()
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -158,15 +158,22 @@ class Session:
                             "its programs are " + ", ".join(self.programs), exit_code=EXIT_USAGE)
         return self.programs[name]
 
-    def _tables(self, p: Program) -> list[tuple[int, int]]:
-        """(input id, rows) for each input that directly indexes a weight table (token ids)."""
-        found = []
+    def _tables(self, p: Program) -> dict[str, int]:
+        """Input name -> rows, for each input that directly indexes a weight table (token ids)."""
+        names = dict(zip(p.input_ids, (t.name for t in p.inputs), strict=True))
+        found: dict[str, int] = {}
         for st in p.steps:
-            if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] in p.input_ids:
+            if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] in names:
                 table = self.tensors[st.inputs[0]]
                 if table.region == "weights" and table.shape:
-                    found.append((st.inputs[1], int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)])))
+                    found.setdefault(names[st.inputs[1]],
+                                     int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)]))
         return found
+
+    def index_rows(self, program: str | None = None) -> dict[str, int]:
+        """The rows of the weight table each input of `program` indexes directly (an embedding:
+        its token ids must lie in 0..rows-1); inputs that index none are absent."""
+        return dict(self._index_rows[self._program(program).name])
 
     def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True,
             on_step: Callable[[str, str, list[torch.Tensor]], None] | None = None) -> dict[str, torch.Tensor]:
@@ -199,7 +206,7 @@ class Session:
                     raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the KV cache's "
                                     f"{self._cache_rows} rows", "positions run from 0 to --max_seq_len - 1",
                                     exit_code=EXIT_USAGE)
-            rows = self._table_rows.get((p.name, tid), 0)
+            rows = self._index_rows[p.name].get(t.name, 0)
             bad = next((i for i in x.reshape(-1).tolist() if not -rows <= i < rows), None) if rows else None
             if bad is not None:
                 raise NpucError("NPUC-E0108", f"input {t.name!r} holds {bad}, outside the {rows} rows of the table "

@@ -41,3 +41,27 @@ def save_checkpoint(arch: str, path: str, seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(make_config(arch))
     model.save_pretrained(path)
+
+
+def hf_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
+    """The `new` tokens HF `generate(do_sample=False)` picks after `prompt` (no end-of-sequence stop)."""
+    import torch
+
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def prefill_vs_hf(sess: Any, model: Any, program: str | None = None, seed: int = 3) -> float:
+    """Max abs difference of the logits of `sess` (arena filled with NaN first: nothing may read
+    a byte it did not write) and of HF's `model` on seeded random ids of the program's shape."""
+    import torch
+
+    prog = sess.programs[program or next(iter(sess.programs))]
+    ids_shape = prog.inputs[0].shape
+    ids = torch.randint(0, model.config.vocab_size, ids_shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+    sess.arena.fill_(0xFF)
+    got = sess.run({prog.inputs[0].name: ids}, prog.name)["logits"]
+    return float((got - ref).abs().max())

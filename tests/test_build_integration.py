@@ -294,13 +294,20 @@ def test_sigkill_mid_write_leaves_no_partial_om_and_keeps_the_old_one(tmp_path: 
 # --- 3. --depfile ---------------------------------------------------------------------------
 
 
-def test_depfile_lists_model_external_data_target_and_keep_dtype(tmp_path: Path) -> None:
-    src = tmp_path / "my models"  # spaces must be escaped
+def model_target_keep(src: Path, keep_node: str) -> tuple[Path, Path, Path, Path]:
+    """Every file a compile reads, in `src` (names with spaces): the tiny model and its external
+    data, a copy of the npu target file, and a --keep_dtype list naming `keep_node`."""
     model, data = matmul_chain(src, "tiny", TINY)
     target = src / "my target.toml"
     shutil.copy(BUILTIN_DIR / "npu.toml", target)
     keep = src / "keep list.txt"
-    keep.write_text("mm0\n")
+    keep.write_text(keep_node + "\n")
+    return model, data, target, keep
+
+
+def test_depfile_lists_model_external_data_target_and_keep_dtype(tmp_path: Path) -> None:
+    src = tmp_path / "my models"  # spaces must be escaped
+    model, data, target, keep = model_target_keep(src, "mm0")
     out = tmp_path / "out dir"
     om, dep = out / "tiny model.om", out / "tiny model.om.d"
     npuc_compile(model, "--input_shape", TINY_SHAPE, "--soc_version", target, "--keep_dtype", keep,
@@ -362,11 +369,7 @@ def test_cmake_module_rebuilds_exactly_when_a_read_file_changes(tmp_path: Path) 
     if cmake is None or ninja is None:
         pytest.skip(f"needs cmake and ninja (found cmake={cmake}, ninja={ninja}); .ci/run installs both")
     src = tmp_path / "my models"
-    model, data = matmul_chain(src, "tiny", TINY)
-    target = src / "my target.toml"
-    shutil.copy(BUILTIN_DIR / "npu.toml", target)
-    keep = src / "keep list.txt"
-    keep.write_text("mm1\n")
+    model, data, target, keep = model_target_keep(src, "mm1")
     unrelated = src / "README.txt"
     build = tmp_path / "build"
     configure = subprocess.run(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_models import hf_greedy, prefill_vs_hf
 from torch import nn
 
 import npuc
@@ -57,15 +58,9 @@ def hf_v2(v2_ckpt: Path) -> Any:
 
 
 def _prefill_error(ckpt: Path, hf: Any, out: Path) -> tuple[float, Counter[str]]:
-    om = compile_model(str(ckpt), input_shape="input_ids:1,8", output=str(out))
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids, use_cache=False).logits
-    sess = Session.load(om)
-    sess.arena.fill_(0xFF)
-    got = sess.run({"input_ids": ids})["logits"]
+    sess = Session.load(compile_model(str(ckpt), input_shape="input_ids:1,8", output=str(out)))
     ops = Counter(st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps)
-    return float((got - ref).abs().max()), ops
+    return prefill_vs_hf(sess, hf), ops
 
 
 def test_prefill_matches_hf(v2_ckpt: Path, hf_v2: Any, tmp_path: Path) -> None:
@@ -78,9 +73,7 @@ def test_generation_matches_hf(v2_ckpt: Path, hf_v2: Any, tmp_path: Path) -> Non
     # Needs rope_lut: the KV cache moves RoPE's positions with the decoded token.
     om = compile_model(str(v2_ckpt), input_shape="input_ids:1,8", output=str(tmp_path / "g"), max_seq_len=48)
     prompt = [5, 17, 3, 99, 42, 7]
-    want = hf_v2.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate(Session.load(om), prompt, 32, ignore_eos=True) == want
+    assert generate(Session.load(om), prompt, 32, ignore_eos=True) == hf_greedy(hf_v2, prompt, 32)
 
 
 def test_q_without_lora_and_greedy_routing(tmp_path: Path) -> None:

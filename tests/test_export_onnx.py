@@ -211,16 +211,23 @@ STANDARD: list[tuple[str, str, list[np.ndarray], dict[str, Any], tuple[int, ...]
 ]
 
 
+def exported_one_op(tmp_path: Path, op: str, args: list[np.ndarray], attrs: dict[str, Any], consts: tuple[int, ...]
+                    ) -> tuple[str, str, Any, onnx.ModelProto, onnx.NodeProto]:
+    """A one-op .om, its ONNX export (checked in full), the export's stats, model and only node."""
+    om = one_op_om(tmp_path, op, args, attrs, consts)
+    out = str(tmp_path / "m.onnx")
+    stats = export_onnx(om, out)
+    model = onnx.load(out)
+    onnx.checker.check_model(model, full_check=True)
+    (n,) = model.graph.node
+    return om, out, stats, model, n
+
+
 @pytest.mark.parametrize("op,onnx_op,args,attrs,consts", STANDARD,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(STANDARD)])
 def test_standard_op_runs_in_onnxruntime_like_npuc(tmp_path: Path, op: str, onnx_op: str, args: list[np.ndarray],
                                                    attrs: dict[str, Any], consts: tuple[int, ...]) -> None:
-    om = one_op_om(tmp_path, op, args, attrs, consts)
-    out = str(tmp_path / "m.onnx")
-    s = export_onnx(om, out)
-    model = onnx.load(out)
-    onnx.checker.check_model(model, full_check=True)
-    (n,) = model.graph.node
+    om, out, s, model, n = exported_one_op(tmp_path, op, args, attrs, consts)
     sess = Session.load(om)
     (o,) = sess.model.programs[0].ops
     assert (n.domain, n.op_type, n.name) == ("", onnx_op, o.name)
@@ -261,12 +268,7 @@ CUSTOM: list[tuple[str, list[np.ndarray], dict[str, Any], tuple[int, ...]]] = [
 @pytest.mark.parametrize("op,args,attrs,consts", CUSTOM, ids=[f"{c[0]}-{i}" for i, c in enumerate(CUSTOM)])
 def test_other_ops_are_npuc_domain_nodes_with_npuc_attributes(tmp_path: Path, op: str, args: list[np.ndarray],
                                                               attrs: dict[str, Any], consts: tuple[int, ...]) -> None:
-    om = one_op_om(tmp_path, op, args, attrs, consts)
-    out = str(tmp_path / "m.onnx")
-    s = export_onnx(om, out)
-    model = onnx.load(out)
-    onnx.checker.check_model(model, full_check=True)
-    (n,) = model.graph.node
+    om, out, s, model, n = exported_one_op(tmp_path, op, args, attrs, consts)
     assert (n.domain, n.op_type, n.name) == (DOMAIN, op, op)
     assert s.custom_ops == (op,) and s.standard_nodes == 0
     assert {(o.domain, o.version) for o in model.opset_import} == {("", OPSET), (DOMAIN, 1)}

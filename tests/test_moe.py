@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_models import hf_greedy, prefill_vs_hf
 
 from npuc.compiler.driver import compile_model
 from npuc.compiler.loaders import StackedExpertsSource, load_source
@@ -56,13 +57,8 @@ def test_expert_weights_come_from_per_expert_tensors(moe_ckpt: Path) -> None:
 
 def test_moe_prefill_matches_hf(moe_ckpt: Path, hf_moe: Any, tmp_path: Path) -> None:
     om = compile_model(str(moe_ckpt), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf_moe(ids, use_cache=False).logits
     sess = Session.load(om)
-    sess.arena.fill_(0xFF)
-    out = sess.run({"input_ids": ids})["logits"]
-    assert float((out - ref).abs().max()) < 1e-4
+    assert prefill_vs_hf(sess, hf_moe) < 1e-4
     ops = {st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps}
     assert "fused_moe" in ops and not {"topk", "gather_elements", "scatter_elements", "index"} & ops  # fused
 
@@ -70,9 +66,7 @@ def test_moe_prefill_matches_hf(moe_ckpt: Path, hf_moe: Any, tmp_path: Path) -> 
 def test_moe_generation_matches_hf(moe_ckpt: Path, hf_moe: Any, tmp_path: Path) -> None:
     om = compile_model(str(moe_ckpt), input_shape="input_ids:1,8", output=str(tmp_path / "g"), max_seq_len=48)
     prompt = [5, 17, 3, 99, 42, 7]
-    want = hf_moe.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-    assert generate(Session.load(om), prompt, 32, ignore_eos=True) == want
+    assert generate(Session.load(om), prompt, 32, ignore_eos=True) == hf_greedy(hf_moe, prompt, 32)
 
 
 class _Routing(torch.nn.Module):
