@@ -6,7 +6,7 @@ The schedule is each graph's node order. Regions:
 - state: the KV cache, once for all programs, persistent across runs;
 - arena: each program's inputs, outputs and intermediates at the offsets the memory
   planner chose; programs never run at once, so the runtime allocates the largest.
-A view (reshape) shares its operand's buffer and an in-place op (kv_write) its state's,
+A view (a reshape, or a transpose or slice that keeps the bytes in place: `is_view`) shares its operand's buffer and an in-place op (kv_write) its state's,
 so one buffer's lifetime covers every value in it: from the step that defines the
 first to the last use of any, or the end for graph outputs. An op whose out-kernel
 needs scratch gets a workspace buffer live only at its own step.
@@ -17,13 +17,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from npuc.backend.memory_plan import Buffer, Plan, align_up, plan_memory, validate_plan
+from npuc.backend.om_format import FileRange
 from npuc.backend.om_schema import AttrValue, ModelDef
 from npuc.backend.targets import Target
 from npuc.errors import InternalError
-from npuc.ir import DType, Graph, Value, get_op
+from npuc.ir import DType, Graph, Node, Value, get_op
 from npuc.ir.evaluate import LazyFoldSource
 from npuc.ir.graph import byte_view
 
@@ -71,9 +72,27 @@ def _attr_value(v: Any) -> Any:
     raise InternalError(f"attribute value {v!r} has no .om encoding")
 
 
-# Ops whose output is its operand's bytes under another shape: the output aliases the
-# operand's buffer (no copy, one lifetime covering both).
-VIEW_OPS = frozenset({"reshape"})
+def is_view(node: Node) -> bool:
+    """Whether `node`'s output is its operand's bytes (or their prefix) under another
+    shape, so that it can alias the operand's buffer: no copy, one lifetime for both.
+
+        reshape                                   always
+        transpose[perm=(0,2,1,3)] : [1,1,12,64]   when only size-1 axes move (decode's heads)
+        slice[axis=1, 0:1] : [1,16,768]           a prefix: every axis before `axis` has size 1
+                                                  (the rows kept after tile padding)
+    """
+    x = node.inputs[0].type.shape if node.inputs else ()
+    if node.op == "reshape":
+        return True
+    if node.op == "transpose":
+        moved = [p for p in node.attrs["perm"] if x[p] != 1]
+        return moved == sorted(moved)
+    if node.op == "slice":
+        a = get_op("slice").full_attrs(node.attrs)
+        ax = a["axis"] % len(x)
+        kept = range(x[ax])[slice(a["start"], a["end"], a["step"])]
+        return kept.step == 1 and (kept.start == 0 or not kept) and all(d == 1 for d in x[:ax])
+    return False
 
 
 def buffer_roots(g: Graph) -> dict[int, Value]:
@@ -85,7 +104,7 @@ def buffer_roots(g: Graph) -> dict[int, Value]:
     for node in g.nodes:
         od = get_op(node.op)
         src = node.inputs[od.inplace] if od.inplace is not None and node.inputs[od.inplace].state else None
-        if src is None and node.op in VIEW_OPS and not node.inputs[0].is_const:
+        if src is None and node.inputs and not node.inputs[0].is_const and is_view(node):
             src = node.inputs[0]
         for o in node.outputs:
             root[id(o)] = root[id(src)] if src is not None and o.index == 0 else o
@@ -259,16 +278,18 @@ def _lower_program(model: Any, g: Graph, index: dict[int, int], target: Target) 
     return plan
 
 
-def _weight_bytes(v: Value) -> Iterator[bytes | memoryview]:
-    """One constant's bytes. A source that can stream its raw bytes (an external data
-    file) does, in bounded chunks; any other is loaded as one tensor and viewed, not copied."""
+def _weight_bytes(v: Value) -> Iterator[bytes | memoryview | FileRange]:
+    """One constant's bytes. A source that stores them as they are in a file (safetensors,
+    ONNX external data) gives that byte range, for the writer to copy file to file; any
+    other is loaded as one tensor and viewed, not copied."""
     src = v.const
     if src is None:
         raise InternalError(f"{v.ref()} is not a constant")
-    raw = getattr(src, "raw_chunks", None)
-    chunks = raw(v.type) if raw is not None else None
-    if chunks is not None:
-        yield from chunks
+    where = getattr(src, "file_range", None)
+    stored = where(v.type) if where is not None else None
+    if stored is not None:
+        path, offset, length = stored
+        yield FileRange(path, offset, length, f"weight {v.name!r}")
         return
     t = src.load()
     want = v.type
@@ -280,8 +301,13 @@ def _weight_bytes(v: Value) -> Iterator[bytes | memoryview]:
         yield memoryview(byte_view(t).numpy())
 
 
-def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]:
-    """Stream the weights section: each constant read from its source, one at a time."""
+@overload
+def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]: ...
+@overload
+def weight_chunks(low: Lowered, ranges: bool) -> Iterator[bytes | memoryview | FileRange]: ...
+def weight_chunks(low: Lowered, ranges: bool = False) -> Iterator[bytes | memoryview | FileRange]:
+    """Stream the weights section: each constant read from its source, one at a time. With
+    `ranges`, a constant stored as it is in a file comes as its FileRange, unread."""
     cursor = 0
     for v, off in zip(low.weights, low.weight_offsets, strict=True):
         if off > cursor:
@@ -289,7 +315,10 @@ def weight_chunks(low: Lowered) -> Iterator[bytes | memoryview]:
         n = 0
         for chunk in _weight_bytes(v):
             n += len(chunk)
-            yield chunk
+            if isinstance(chunk, FileRange) and not ranges:
+                yield from chunk.chunks()
+            else:
+                yield chunk
         if n != v.type.nbytes:
             raise InternalError(f"weight {v.name} gave {n} bytes, expected {v.type.nbytes}")
         cursor = off + n

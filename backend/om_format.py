@@ -16,27 +16,37 @@ Layout (all integers little-endian)::
                         file ends exactly where the last payload ends.
 
 The table precedes the payloads yet holds their hashes, so `OmWriter` lays the
-file out first, streams the payloads (hashing as it goes) and then seeks back
-to write the table and header. It writes to a temporary file and renames it
-into place, so readers never see a half-written file. `OmFile` checks the
+file out first, writes each payload at its offset and then the table and header.
+A streamed payload is hashed on a thread beside the writing; a chunk that is a
+byte range of a file (`FileRange`: a weight as safetensors or ONNX external data
+store it) is copied file to file by the kernel and read once more, for the
+hashes only. A late section (metadata holding the input model's hash, taken from
+those reads by `FileSequenceHash`) is written after the others. The writer writes
+to a temporary file and renames it into place, so readers never see a
+half-written file. `OmFile` checks the
 whole structure (and, by default, every checksum) before handing out any
 section, and only ever hands out bytes: nothing is unpickled or executed.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import hashlib
+import math
 import mmap
 import os
+import queue
 import re
 import stat
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO
+from typing import Any
 
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
@@ -45,6 +55,8 @@ __all__ = [
     "MAGIC",
     "SECTION_ALIGN_DEFAULT",
     "WEIGHTS_ALIGN",
+    "FileRange",
+    "FileSequenceHash",
     "OmFile",
     "OmWriter",
     "SectionInfo",
@@ -75,9 +87,6 @@ E_WRITE = "NPUC-E0406"
 
 _HINT_RECOMPILE = "the file is damaged or incomplete; recompile the model with `npuc compile`"
 
-Chunk = bytes | bytearray | memoryview
-
-
 def _required_align(name: str) -> int:
     return _REQUIRED_ALIGN.get(name, SECTION_ALIGN_DEFAULT)
 
@@ -101,12 +110,464 @@ class SectionInfo:
 
 
 @dataclass(frozen=True)
+class FileRange:
+    """A payload chunk that is `length` bytes of the file `path` from `offset` (a weight as
+    safetensors or ONNX external data store it). The writer copies it file to file in the
+    kernel, and hashes it on a thread from one read of its own; `what` names it in errors."""
+
+    path: str
+    offset: int
+    length: int
+    what: str = "data"
+
+    def __len__(self) -> int:  # counted like the bytes it stands for
+        return self.length
+
+    def chunks(self) -> Iterator[bytes]:
+        """The bytes themselves, read in blocks (for a reader that wants them in memory)."""
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if self.offset + self.length > size:
+                    raise _ended_early(self, size)
+                f.seek(self.offset)
+                left = self.length
+                while left:
+                    chunk = f.read(min(_BLOCK, left))
+                    if not chunk:
+                        raise _ended_early(self)
+                    left -= len(chunk)
+                    yield chunk
+        except OSError as e:
+            raise _cannot_read(self, e) from None
+
+
+Chunk = bytes | bytearray | memoryview | FileRange
+
+_BLOCK = 8 << 20  # bytes per read of a file range (hashlib releases the GIL on each)
+_BUFFERS = 8  # blocks in flight between the hash threads
+_PENDING = 64 << 20  # in-memory chunk bytes the hash thread may fall behind the writer by
+
+
+def _cannot_read(r: FileRange, e: OSError) -> NpucError:
+    return NpucError(E_OPEN, f"cannot read {r.path!r} ({r.what}): {e.strerror or e}",
+                     "keep the weights files beside the model", exit_code=EXIT_IO)
+
+
+def _ended_early(r: FileRange, size: int | None = None) -> NpucError:
+    have = "ended early" if size is None else f"has {size} bytes"
+    return NpucError(E_BOUNDS, f"{r.what}: {r.path!r} {have}, it needs bytes {r.offset}..{r.offset + r.length}",
+                     "the weights file is truncated", exit_code=EXIT_IO)
+
+
+def _read_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill `buf` from `offset`; fewer bytes only at the end of the file."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done) if hasattr(os, "preadv") else _pread_into(
+            fd, buf[done:], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(buf), offset)
+    buf[: len(data)] = data
+    return len(data)
+
+
+def _pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _write_behind(fd: int, offset: int, n: int) -> None:
+    """Start putting these just-written bytes on disk now, so the closing fsync waits for
+    the last of them only (Linux starts writeback of dirty pages on DONTNEED; pages
+    still dirty stay cached)."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+
+
+class _Worker:
+    """One thread (started by the first job) working through its jobs in order. Its first
+    error ends the work and is raised in the submitting thread at the next `submit` or
+    at `join`; `done` still sees every job, to release what it holds."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self.cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self._error is None and not self.cancelled.is_set():
+                try:
+                    self.work(job)
+                except BaseException as e:  # raised again in the submitter
+                    self._error = e
+            self.done(job)
+        with contextlib.suppress(queue.Empty):
+            while True:  # jobs that came after a cancel
+                if (job := self._jobs.get_nowait()) is not None:
+                    self.done(job)
+
+    def work(self, job: Any) -> None:
+        raise NotImplementedError
+
+    def done(self, job: Any) -> None:
+        """Called after each job, done or skipped."""
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, job: Any) -> None:
+        self.check()
+        if self._thread.ident is None:
+            self._thread.start()
+        self._jobs.put(job)
+
+    def join(self) -> None:
+        if self._thread.ident is not None:
+            self._jobs.put(None)
+            self._thread.join()
+        self.check()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if self._thread.ident is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=10)
+
+
+def _chain(spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Indices of the spans (start, end), in their order, whose starts do not go back and
+    that do not overlap, with the most bytes in all (a weighted longest increasing run)."""
+    best: list[tuple[int, int, int]] = []  # (end, bytes of the best chain ending there, its last span)
+    prev: list[int] = []
+    total: list[int] = []
+    for i, (s, e) in enumerate(spans):
+        j = bisect.bisect_right(best, (s, math.inf, math.inf)) - 1  # the best chain ending at or before s
+        total.append(e - s + (best[j][1] if j >= 0 else 0))
+        prev.append(best[j][2] if j >= 0 else -1)
+        k = bisect.bisect_left(best, (e, -1, -1))
+        if k > 0 and best[k - 1][1] >= total[i]:
+            continue  # a chain ending earlier already holds as much
+        while k < len(best) and best[k][1] <= total[i]:
+            del best[k]  # ends no earlier, holds no more
+        best.insert(k, (e, total[i], i))
+    out, i = [], best[-1][2] if best else -1
+    while i >= 0:
+        out.append(i)
+        i = prev[i]
+    return out[::-1]
+
+
+class FileSequenceHash:
+    """SHA-256 over whole files, each after its prefix, as if concatenated in order (the
+    input model's hash), on a thread of its own.
+
+    `ranges` are the file ranges a writer will read, in the writer's order. Those of them
+    that come in this hash's order (the run of them with the most bytes) are hashed from
+    the writer's reads, as it hands them over (`wants`, `give`, `skip`); the thread reads
+    everything else itself, meanwhile. Once the writer is `done`, whatever it did not hand
+    over is read here too, so a writer that reads otherwise only costs a second read."""
+
+    def __init__(self, files: Sequence[tuple[str, bytes]], ranges: Sequence[FileRange] = ()) -> None:
+        self._files = [p for p, _ in files]
+        self._prefix = [b for _, b in files]
+        self._sizes = [os.path.getsize(p) for p in self._files]
+        self._index = {p: i for i, p in enumerate(self._files)}
+        base = [sum(self._sizes[:i]) for i in range(len(self._files))]
+        spans = [(self._index[r.path], r.offset, r.offset + r.length) for r in ranges
+                 if r.path in self._index and r.length and r.offset + r.length <= self._sizes[self._index[r.path]]]
+        # (file, start, end) of the ranges taken from the writer, in its order and in this one
+        self._taken = [spans[i] for i in _chain([(base[f] + s, base[f] + e) for f, s, e in spans])]
+        self._next = 0  # the taken range handed over next, and where in it
+        self._expect = self._taken[0][1] if self._taken else 0
+        self._at = (0, -1)  # hashed up to (file, offset); -1: before the file's prefix
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._h = hashlib.sha256()
+        self._buf = memoryview(bytearray(_BLOCK))
+        self._fd: tuple[int, int] | None = None
+        self._error: BaseException | None = None
+        self._digest: str | None = None
+        self.cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="npuc-source-hash", daemon=True)
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    # -- the writer's side (one thread) -------------------------------------------------
+
+    def wants(self, r: FileRange, offset: int) -> bool:
+        """Whether the block the writer reads next, at `offset` of `r`, is to be handed over."""
+        if self._next >= len(self._taken) or self._error is not None or self.cancelled.is_set():
+            return False
+        return self._taken[self._next] == (self._index.get(r.path), r.offset, r.offset + r.length) \
+            and offset == self._expect
+
+    def give(self, block: memoryview, release: Callable[[], None]) -> None:
+        """Hand over the wanted block; `release` is called once it is hashed."""
+        self._jobs.put((block, release))
+        self._advance(len(block))
+
+    def skip(self, n: int) -> None:
+        """The wanted block, `n` bytes, is not handed over: the thread reads it itself."""
+        self._jobs.put((None, n))
+        self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        self._expect += n
+        if self._expect >= self._taken[self._next][2]:
+            self._next += 1
+            self._expect = self._taken[self._next][1] if self._next < len(self._taken) else 0
+
+    def done(self) -> None:
+        """The writer hands over nothing more."""
+        self._jobs.put(None)
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        handing = True  # the writer may still hand blocks over
+        try:
+            for f, s, e in [*self._taken, (len(self._files), -1, -1)]:
+                self._read_to((f, s))
+                at = s
+                while at < e and not self.cancelled.is_set():
+                    job = self._jobs.get() if handing else None
+                    if job is None:  # the writer is done: read the rest of the range here
+                        handing = False
+                        self._read_to((f, e))
+                        break
+                    block, more = job
+                    if block is None:
+                        self._read_to((f, at + more))
+                        at += more
+                    else:
+                        try:
+                            self._h.update(block)
+                        finally:
+                            more()
+                        at += len(block)
+                        self._at = (f, at)
+        except BaseException as e:  # raised again in hexdigest
+            self._error = e
+        finally:
+            self._close()
+            with contextlib.suppress(queue.Empty):
+                while True:  # release what the writer handed over after an error or a cancel
+                    job = self._jobs.get_nowait()
+                    if job is not None and job[0] is not None:
+                        job[1]()
+
+    def _read_to(self, to: tuple[int, int]) -> None:
+        """Hash from the cursor up to `to` (a file index and offset), reading the files."""
+        while self._at < to:
+            if self.cancelled.is_set():
+                raise InternalError("the hash was cancelled")
+            i, off = self._at
+            if off < 0:
+                self._h.update(self._prefix[i])
+                self._at = (i, 0)
+                continue
+            end = to[1] if to[0] == i else self._sizes[i]
+            if off >= end:
+                self._at = (i + 1, -1)
+                continue
+            if self._fd is None or self._fd[0] != i:
+                self._close()
+                try:
+                    self._fd = (i, os.open(self._files[i], os.O_RDONLY))
+                except OSError as e:
+                    raise _cannot_read(FileRange(self._files[i], 0, self._sizes[i], "the model's hash"), e) from None
+            n = _read_into(self._fd[1], self._buf[: min(_BLOCK, end - off)], off)
+            if n == 0:
+                raise _ended_early(FileRange(self._files[i], off, end - off, "the model's hash"))
+            self._h.update(self._buf[:n])
+            self._at = (i, off + n)
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd[1])
+            self._fd = None
+
+    def hexdigest(self) -> str:
+        """The hash, once every file is read to its end (waits for the thread)."""
+        if self._digest is None:
+            self.done()
+            self.start()
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            if self.cancelled.is_set():
+                raise InternalError("the hash was cancelled")
+            self._digest = self._h.hexdigest()
+        return self._digest
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self._jobs.put(None)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
+
+
+class _SectionHash(_Worker):
+    """A streamed section's SHA-256, on a thread beside the writer: in-memory chunks are
+    hashed as they are (holding at most _PENDING bytes of them), file ranges are read
+    once, in blocks, each handed to `also` (the input model's hash) where it wants it."""
+
+    def __init__(self, also: FileSequenceHash | None) -> None:
+        self._h = hashlib.sha256()
+        self._also = also
+        self._own = memoryview(bytearray(_BLOCK))
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        for _ in range(_BUFFERS):
+            self._free.put(memoryview(bytearray(_BLOCK)))
+        self._pending = 0
+        self._room = threading.Condition()
+        self._fds: dict[str, int] = {}
+        super().__init__("npuc-section-hash")
+
+    def submit(self, job: Any) -> None:
+        n = 0 if isinstance(job, FileRange) else len(job)
+        with self._room:  # one chunk larger than the budget waits for the thread to catch up
+            while self._pending and self._pending + n > _PENDING and self._error is None:
+                self._room.wait(0.1)
+            self._pending += n
+        super().submit(job)
+
+    def done(self, job: Any) -> None:
+        if not isinstance(job, FileRange):
+            with self._room:
+                self._pending -= len(job)
+                self._room.notify_all()
+
+    def work(self, job: Any) -> None:
+        if not isinstance(job, FileRange):
+            self._h.update(job)
+            return
+        fd = self._fds.get(job.path)
+        if fd is None:
+            try:
+                fd = self._fds[job.path] = os.open(job.path, os.O_RDONLY)
+            except OSError as e:
+                raise _cannot_read(job, e) from None
+        off, end = job.offset, job.offset + job.length
+        while off < end and not self.cancelled.is_set():
+            hand = self._also is not None and self._also.wants(job, off)
+            buf = self._spare() if hand else None  # none spare: the other hash reads the block itself
+            view = (self._own if buf is None else buf)[: min(_BLOCK, end - off)]
+            n = _read_into(fd, view, off)
+            if n == 0:
+                if buf is not None:
+                    self._free.put(buf)
+                raise _ended_early(job)
+            self._h.update(view[:n])
+            if hand:
+                assert self._also is not None
+                if buf is None:
+                    self._also.skip(n)
+                else:
+                    self._also.give(view[:n], functools.partial(self._free.put, buf))
+            off += n
+
+    def _spare(self) -> memoryview | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def digest(self) -> bytes:
+        self.join()
+        self._close()
+        if self.cancelled.is_set():
+            raise InternalError("the hash was cancelled")
+        return self._h.digest()
+
+    def _close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._close()
+
+
+class _Copier:
+    """Copies file ranges into the output in the kernel: copy_file_range, else sendfile,
+    else a read/write loop (another filesystem, macOS). A way that fails with an OSError
+    is not tried again in this section; the next one goes on from where it stopped."""
+
+    METHODS = ("copy_file_range", "sendfile", "read")
+
+    def __init__(self, dst: int) -> None:
+        self._dst = dst
+        self._fds: dict[str, tuple[int, int]] = {}  # path -> (descriptor, size)
+        self.method = 0 if hasattr(os, "copy_file_range") else 1 if hasattr(os, "sendfile") else 2
+        self._buf: memoryview | None = None
+
+    def copy(self, r: FileRange, dst_off: int) -> None:
+        if r.path not in self._fds:
+            try:
+                fd = os.open(r.path, os.O_RDONLY)
+            except OSError as e:
+                raise _cannot_read(r, e) from None
+            self._fds[r.path] = (fd, os.fstat(fd).st_size)
+        src, size = self._fds[r.path]
+        if r.offset + r.length > size:
+            raise _ended_early(r, size)
+        done = 0
+        while done < r.length:
+            try:
+                n = self._some(src, r.offset + done, dst_off + done, r.length - done)
+            except OSError:
+                if self.method == len(self.METHODS) - 1:
+                    raise
+                self.method += 1  # not supported here: the next way, from where this one stopped
+                continue
+            if n == 0:
+                raise _ended_early(r)
+            done += n
+
+    def _some(self, src: int, off: int, dst_off: int, n: int) -> int:
+        n = min(n, 1 << 30)
+        if self.METHODS[self.method] == "copy_file_range":
+            return os.copy_file_range(src, self._dst, n, off, dst_off)
+        if self.METHODS[self.method] == "sendfile":
+            os.lseek(self._dst, dst_off, os.SEEK_SET)
+            return os.sendfile(self._dst, src, off, n)
+        if self._buf is None:
+            self._buf = memoryview(bytearray(_BLOCK))
+        k = _read_into(src, self._buf[: min(n, _BLOCK)], off)
+        _pwrite(self._dst, self._buf[:k], dst_off)
+        return k
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass(frozen=True)
 class _Pending:
     name: str
     size: int
     align: int
     data: bytes | None
-    chunks: Iterable[Chunk] | None
+    chunks: Iterable[Chunk] | None = None
+    produce: Callable[[], bytes] | None = None
+    also: FileSequenceHash | None = None
 
 
 def _remove_orphans(directory: str, prefix: str) -> None:
@@ -148,25 +609,41 @@ class OmWriter:
     ) -> None:
         if exc_type is not None:
             self._closed = True
+            for sec in self._sections:
+                if sec.also is not None:
+                    sec.also.cancel()
             self._sections.clear()
             return
         self.close()
 
     def add_section(self, name: str, data: bytes | bytearray | memoryview, align: int = SECTION_ALIGN_DEFAULT) -> None:
         """Register a section whose payload is already in memory (copied now)."""
-        self._register(_Pending(name, 0, align, bytes(data), None))
+        self._register(_Pending(name, 0, align, bytes(data)))
 
     def add_streamed_section(
-        self, name: str, chunks: Iterable[Chunk], size: int, align: int = SECTION_ALIGN_DEFAULT
+        self, name: str, chunks: Iterable[Chunk], size: int, align: int = SECTION_ALIGN_DEFAULT,
+        also: FileSequenceHash | None = None,
     ) -> None:
         """Register a section of exactly `size` bytes, pulled from `chunks` while writing.
 
         The iterable is consumed during `close()`, one chunk at a time, so the
-        payload never has to exist as one bytes object.
+        payload never has to exist as one bytes object; a chunk must stay unchanged
+        once yielded (a thread hashes it). A `FileRange` chunk is copied from its file
+        without passing through Python; `also` is handed the blocks read from file
+        ranges that it wants (see FileSequenceHash).
         """
         if size < 0:
             raise InternalError(f"section '{name}': negative size {size}")
-        self._register(_Pending(name, size, align, None, chunks))
+        self._register(_Pending(name, size, align, None, chunks, also=also))
+
+    def add_late_section(self, name: str, size: int, produce: Callable[[], bytes],
+                         align: int = SECTION_ALIGN_DEFAULT) -> None:
+        """Register a section of exactly `size` bytes whose payload `produce` returns once
+        every other section is written (metadata holding a hash of what they copied).
+        It keeps its place in the table and the file."""
+        if size < 0:
+            raise InternalError(f"section '{name}': negative size {size}")
+        self._register(_Pending(name, size, align, None, produce=produce))
 
     def _register(self, sec: _Pending) -> None:
         if self._closed:
@@ -181,7 +658,7 @@ class OmWriter:
         if a < _required_align(sec.name):
             raise InternalError(f"section '{sec.name}' needs alignment {_required_align(sec.name)}, got {a}")
         if sec.data is not None:
-            sec = _Pending(sec.name, len(sec.data), a, sec.data, None)
+            sec = _Pending(sec.name, len(sec.data), a, sec.data)
         self._sections.append(sec)
 
     def close(self) -> None:
@@ -217,37 +694,34 @@ class OmWriter:
         directory = os.path.dirname(os.path.abspath(self._path))
         prefix = f".{os.path.basename(self._path)}."
         _remove_orphans(directory, prefix)
-        with self._io():
-            mode = stat.S_IMODE(os.stat(self._path).st_mode) if os.path.isfile(self._path) else 0o644
-            tmp = tempfile.NamedTemporaryFile(dir=directory, delete=False, prefix=f"{prefix}{os.getpid()}.",
-                                              suffix=".tmp")
         try:
-            with tmp as f:
-                with self._io():
-                    f.write(bytes(table_end))  # placeholder for header and table
-                pos = table_end
-                entries = []
-                for sec, off in zip(sections, offsets, strict=True):
-                    with self._io():
-                        f.write(bytes(off - pos))
-                    digest = self._write_payload(f, sec)
-                    pos = off + sec.size
-                    entries.append(_ENTRY.pack(sec.name.encode("ascii"), off, sec.size, digest))
-                table = b"".join(entries)
+            with self._io():
+                mode = stat.S_IMODE(os.stat(self._path).st_mode) if os.path.isfile(self._path) else 0o644
+                fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+        except BaseException:
+            for sec in sections:
+                if sec.also is not None:
+                    sec.also.cancel()
+            raise
+        try:
+            try:
+                digests = self._write_payloads(fd, sections, offsets, table_end)
+                table = b"".join(_ENTRY.pack(sec.name.encode("ascii"), off, sec.size, digest)
+                                 for sec, off, digest in zip(sections, offsets, digests, strict=True))
                 header = _HEADER.pack(
                     MAGIC, FORMAT_VERSION, 0, len(sections), 0, hashlib.sha256(table).digest(), bytes(8)
                 )
                 with self._io():
-                    f.seek(0)
-                    f.write(header + table)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    _pwrite(fd, header + table, 0)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             with self._io():
-                os.chmod(tmp.name, mode)
-                os.replace(tmp.name, self._path)
+                os.chmod(tmp, mode)
+                os.replace(tmp, self._path)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp.name)
+                os.unlink(tmp)
             raise
         # Make the rename itself durable; not every platform/filesystem allows it.
         with contextlib.suppress(OSError):
@@ -257,29 +731,84 @@ class OmWriter:
             finally:
                 os.close(dfd)
 
-    def _write_payload(self, f: IO[bytes], sec: _Pending) -> bytes:
-        h = hashlib.sha256()
-        if sec.data is not None:
-            h.update(sec.data)
-            with self._io():
-                f.write(sec.data)
-            return h.digest()
+    def _write_payloads(self, fd: int, sections: list[_Pending], offsets: list[int], pos: int) -> list[bytes]:
+        """Every payload (and the zero padding before it) at its offset; late sections
+        last. Their SHA-256 digests, in table order."""
+        digests: dict[int, bytes] = {}
+        late: list[int] = []
+        try:
+            for i, (sec, off) in enumerate(zip(sections, offsets, strict=True)):
+                with self._io():
+                    _pwrite(fd, bytes(off - pos), pos)
+                pos = off + sec.size
+                if sec.produce is not None:
+                    late.append(i)
+                elif sec.data is not None:
+                    with self._io():
+                        _pwrite(fd, sec.data, off)
+                    digests[i] = hashlib.sha256(sec.data).digest()
+                else:
+                    digests[i] = self._write_streamed(fd, sec, off)
+            for i in late:
+                produce = sections[i].produce
+                assert produce is not None
+                data = produce()
+                if len(data) != sections[i].size:
+                    raise InternalError(f"section '{sections[i].name}' declared {sections[i].size} bytes "
+                                        f"but produced {len(data)}")
+                with self._io():
+                    _pwrite(fd, data, offsets[i])
+                digests[i] = hashlib.sha256(data).digest()
+        except BaseException:
+            for sec in sections:
+                if sec.also is not None:
+                    sec.also.cancel()
+            raise
+        return [digests[i] for i in range(len(sections))]
+
+    def _write_streamed(self, fd: int, sec: _Pending, off: int) -> bytes:
+        """Write a streamed section's chunks while a thread hashes them."""
         assert sec.chunks is not None
+        hasher = _SectionHash(sec.also)
+        copier = _Copier(fd)
         written = 0
-        for chunk in sec.chunks:
-            try:
-                view = memoryview(chunk).cast("B")
-            except (TypeError, ValueError) as e:
-                raise InternalError(f"section '{sec.name}': chunk {type(chunk).__name__} is not contiguous bytes") from e
-            written += view.nbytes
-            if written > sec.size:
-                raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold more")
-            h.update(view)
-            with self._io():
-                f.write(view)
-        if written != sec.size:
-            raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold {written}")
-        return h.digest()
+        if sec.also is not None:
+            sec.also.start()  # it reads what it will not be handed meanwhile
+        try:
+            for chunk in sec.chunks:
+                if isinstance(chunk, FileRange):
+                    n = chunk.length
+                else:
+                    try:
+                        chunk = memoryview(chunk).cast("B")
+                    except (TypeError, ValueError) as e:
+                        raise InternalError(
+                            f"section '{sec.name}': chunk {type(chunk).__name__} is not contiguous bytes") from e
+                    n = chunk.nbytes
+                if written + n > sec.size:
+                    raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold more")
+                if not n:
+                    continue
+                hasher.submit(chunk)
+                if isinstance(chunk, FileRange):
+                    with self._io():
+                        copier.copy(chunk, off + written)
+                else:
+                    with self._io():
+                        _pwrite(fd, chunk, off + written)
+                _write_behind(fd, off + written, n)
+                written += n
+            if written != sec.size:
+                raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold {written}")
+            digest = hasher.digest()
+            if sec.also is not None:
+                sec.also.done()
+            return digest
+        except BaseException:
+            hasher.cancel()
+            raise
+        finally:
+            copier.close()
 
 
 # --- reading ---------------------------------------------------------------------

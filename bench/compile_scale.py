@@ -21,7 +21,12 @@ Figures, each from a fresh child process:
   ``optimized_model_filepath`` set, ``ORT_ENABLE_EXTENDED``, the optimised model's
   initializers written to an external data file (ORT must, past protobuf's 2 GB).
 * ``shutil.copyfile`` of the external data file: the floor for anything that has to
-  write every weight byte once.
+  write every weight byte once; and the same copy followed by ``fsync``, the floor for a
+  writer that, like npuc, puts its output on disk before renaming it into place.
+
+npuc and the copies run in turn, ``--repeat`` times (3 by default); the medians are
+reported, and every run's time beside them (the page cache and the disk's writeback make
+single runs vary by 2x on a shared machine).
 
 Peak RSS: each child is started with ``subprocess.Popen`` and reaped with ``os.wait4``,
 whose rusage is that child's own (``ru_maxrss``: the peak RSS of the child, or of the
@@ -221,24 +226,46 @@ def _ort_optimise(model: Path, scratch: Path, cache: str) -> dict[str, Any]:
     return res
 
 
-def _copy(model: Path, scratch: Path, cache: str) -> dict[str, Any]:
+def _copy(model: Path, scratch: Path, cache: str, fsync: bool = False) -> dict[str, Any]:
     src = _data_file(model)
     dst = scratch / "copy.data"
     _prepare_cache(src, cache)
     t0 = time.perf_counter()
     shutil.copyfile(src, dst)
+    if fsync:
+        with open(dst, "rb") as f:
+            os.fsync(f.fileno())
     wall = time.perf_counter() - t0
     dst.unlink()
     return {"wall_s": wall, "bytes": src.stat().st_size}
 
 
+def _in_turn(runs: dict[str, Any], repeat: int) -> dict[str, dict[str, Any]]:
+    """Each measurement `repeat` times, in turn; the median wall time (peak RSS: the
+    largest) with every run's time beside it."""
+    seen: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            seen[name].append(run())
+    out = {}
+    for name, rs in seen.items():
+        med = dict(sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2])
+        med["wall_s_runs"] = [round(r["wall_s"], 3) for r in rs]
+        if "peak_rss_bytes" in med:
+            med["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rs)
+        out[name] = med
+    return out
+
+
 def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLike[str] | None = None,
-        cache: str = "warm") -> dict[str, Any]:
+        cache: str = "warm", repeat: int = 1, ort: bool = True) -> dict[str, Any]:
     """Build (or reuse) the models, measure, and return the figures.
 
     ``out_dir`` holds the scratch outputs (deleted as it goes); the models are cached in
     ``cache_dir`` (default: ``$NPUC_BENCH_SCALE_CACHE`` or /tmp/npuc_bench_scale). ``quick``:
     a 2-layer, hidden-512 model and its 1-layer half instead of the 22- and 11-layer ones.
+    ``repeat``: how many times npuc and the copies run, in turn (medians reported); ``ort``:
+    whether to measure onnxruntime's offline optimisation too (once).
     """
     if cache not in ("warm", "cold"):
         raise ValueError(f"cache must be 'warm' or 'cold', not {cache!r}")
@@ -256,7 +283,7 @@ def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLi
             print(f"[compile_scale] {shape.key()}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         res: dict[str, Any] = {"quick": quick, "page_cache": cache, "input_shape": f"input_ids:1,{SEQ}",
                                "rss_method": "os.wait4 rusage of each child (ru_maxrss)",
-                               "cache_dir": str(root)}
+                               "cache_dir": str(root), "repeat": repeat}
         for name, model in models.items():
             info = _build_info(model)
             cfg = info["config"]
@@ -266,9 +293,11 @@ def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLi
                 "weight_bytes": info["weight_bytes"], "graph_bytes": info["graph_bytes"],
                 "build": {"wall_s": info["build_wall_s"], "peak_rss_bytes": info["build_peak_rss_bytes"],
                           "init_s": info["init_s"], "export_s": info["export_s"], "save_s": info["save_s"]},
-                "npuc_compile": _npuc_compile(model, scratch, cache),
-                "ort_optimize": _ort_optimise(model, scratch, cache),
-                "copy": _copy(model, scratch, cache),
+                **_in_turn({"npuc_compile": lambda m=model: _npuc_compile(m, scratch, cache),
+                            "copy": lambda m=model: _copy(m, scratch, cache),
+                            "copy_fsync": lambda m=model: _copy(m, scratch, cache, fsync=True)}, repeat),
+                "ort_optimize": _ort_optimise(model, scratch, cache) if ort else
+                {"wall_s": float("nan"), "peak_rss_bytes": float("nan"), "skipped": True},
             }
         f, h = res["full"], res["half"]
         res["ratios_full_over_half"] = {
@@ -279,6 +308,7 @@ def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLi
         }
         res["npuc_peak_rss_over_weights"] = f["npuc_compile"]["peak_rss_bytes"] / f["weight_bytes"]
         res["npuc_wall_over_copy"] = f["npuc_compile"]["wall_s"] / f["copy"]["wall_s"]
+        res["npuc_wall_over_copy_fsync"] = f["npuc_compile"]["wall_s"] / f["copy_fsync"]["wall_s"]
         return res
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -292,8 +322,11 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"model cache (default $NPUC_BENCH_SCALE_CACHE or {DEFAULT_CACHE})")
     ap.add_argument("--cold", action="store_true",
                     help="drop the weight file from the page cache before each measurement (default: warm)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of npuc and of each copy, in turn (default 3)")
+    ap.add_argument("--skip-ort", action="store_true", help="leave out onnxruntime's offline optimisation")
     args = ap.parse_args(argv)
-    res = run(args.out, args.quick, cache_dir=args.cache_dir, cache="cold" if args.cold else "warm")
+    res = run(args.out, args.quick, cache_dir=args.cache_dir, cache="cold" if args.cold else "warm",
+              repeat=args.repeat, ort=not args.skip_ort)
     print(json.dumps(res, indent=2))
 
 

@@ -114,7 +114,7 @@ _MODEL_OPTIONS = [
                  help="Target: npu (default), cpu, or a target .toml file."),
     click.option("--precision_mode", "--precision-mode", "precision_mode", default="must_keep_origin_dtype",
                  help="must_keep_origin_dtype (default), force_fp32, force_fp16, allow_fp32_to_fp16, "
-                      "allow_mix_precision_bf16."),
+                      "allow_mix_precision_bf16 (also spelled allow_fp32_to_bf16)."),
     click.option("--keep_dtype", "--keep-dtype", "keep_dtype", metavar="FILE",
                  help="A file of op (node) names, one a line, that keep their original precision."),
     click.option("--out_nodes", "--out-nodes", "out_nodes", default=None, metavar='"NAME;NAME:INDEX"',

@@ -5,26 +5,29 @@ from __future__ import annotations
 import base64
 import difflib
 import functools
-import hashlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
-from npuc.backend.lower import lower
+from npuc.backend.lower import Lowered, lower, weight_chunks
 from npuc.backend.memory_plan import align_up
+from npuc.backend.om_format import WEIGHTS_ALIGN, Chunk, FileRange, FileSequenceHash, OmWriter
+from npuc.backend.om_sections import METADATA, split_model
 from npuc.backend.targets import Target, check_dtypes, check_fits, get_target
-from npuc.backend.writer import write_om
+from npuc.backend.writer import WEIGHTS
 from npuc.compiler import instrument
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.shapes import resolve_input_shapes
-from npuc.compiler.torch_frontend import import_exported_program
+from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Value, distinct_outputs
 from npuc.passes.kv_cache import KVCache, RopeTables
@@ -35,22 +38,38 @@ from npuc.passes.precision import check_mode
 log = logging.getLogger("npuc")
 
 
-def _export(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]]) -> torch.export.ExportedProgram:
+def _export(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]],
+            extra: Mapping[str, Any] | None = None) -> torch.export.ExportedProgram:
+    """One static trace at `shapes`; `extra` kwargs (the decode trace's position_ids) are
+    bound as constants."""
     if loaded.program is not None:
+        if extra:
+            raise NpucError("NPUC-E0123", f"cannot compile a decode program from {loaded.kind!r} sources: the "
+                            "program is traced already and cannot be traced one token further on",
+                            "compile from the Hugging Face folder or the nn.Module", exit_code=EXIT_UNSUPPORTED)
         return _specialise_program(loaded.program, shapes)
     kwargs: dict[str, Any] = {
         name: torch.zeros(shape, dtype=loaded.input_dtypes.get(name, torch.float32)) for name, shape in shapes.items()}
-    bound = {k: v for k, v in loaded.fixed_kwargs.items() if isinstance(v, torch.Tensor)}
-    kwargs.update({k: v for k, v in loaded.fixed_kwargs.items() if k not in bound})
+    return _trace(loaded, kwargs, {**loaded.fixed_kwargs, **(extra or {})})
+
+
+def _trace(loaded: LoadedModel, kwargs: dict[str, Any], fixed: Mapping[str, Any],
+           dynamic_shapes: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
+    """torch.export of the module on `kwargs`, with `fixed` kwargs as constants; static
+    traces come back decomposed (functional ATen), dynamic ones as traced."""
+    bound = {k: v for k, v in fixed.items() if isinstance(v, torch.Tensor)}
+    kwargs = {**kwargs, **{k: v for k, v in fixed.items() if k not in bound}}
+    if dynamic_shapes is not None:
+        dynamic_shapes = {**{k: None for k in kwargs}, **dynamic_shapes}
     if not bound:
-        return _run_export(loaded.module, (), kwargs)
+        return _run_export(loaded.module, (), kwargs, dynamic_shapes)
     # A tensor kwarg would become a graph input; bound into forward it is a constant
-    # the graph folds (the decode trace's position_ids). Bound on the instance, not
-    # by a wrapper module, so parameter names keep matching the checkpoint.
+    # the graph folds. Bound on the instance, not by a wrapper module, so parameter
+    # names keep matching the checkpoint.
     module = loaded.module
     module.forward = functools.partial(type(module).forward.__get__(module), **bound)
     try:
-        return _run_export(module, (), kwargs)
+        return _run_export(module, (), kwargs, dynamic_shapes)
     finally:
         del module.forward
 
@@ -75,11 +94,12 @@ def _specialise_program(ep: torch.export.ExportedProgram, shapes: dict[str, tupl
     return _run_export(ep.module(), tuple(args), kwargs)
 
 
-def _run_export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> torch.export.ExportedProgram:
+def _run_export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                dynamic_shapes: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():
-            return torch.export.export(module, args, kwargs=kwargs, strict=False).run_decompositions({})
+            ep = torch.export.export(module, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return ep if dynamic_shapes is not None else ep.run_decompositions({})
     except NpucError:
         raise
     except Exception as e:
@@ -107,7 +127,7 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
                 fixed_kwargs: Mapping[str, Any] | None = None) -> tuple[Graph, Source]:
     """Frontend only: the imported (unoptimised) graph, and what it was read from.
     `fixed_kwargs` are passed to a torch model's forward as constants (not inputs)."""
-    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
+    if _is_onnx(model):
         from npuc.compiler.onnx_frontend import import_onnx, load_onnx
 
         if not os.path.isfile(model):
@@ -116,19 +136,30 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
         onnx_model = load_onnx(os.fspath(model))
         shapes = resolve_input_shapes(input_shape, onnx_model.inputs)
         return import_onnx(onnx_model, shapes), Source("onnx", onnx_model.files)
+    loaded = _load(model, input_dtypes)
+    # Fixed kwargs are no inputs: declared_inputs leaves them out of the shape check.
+    loaded.fixed_kwargs.update(fixed_kwargs or {})
+    graph = _import(loaded, _export(loaded, _shapes(loaded, input_shape), fixed_kwargs))
+    return graph, Source(loaded.kind, loaded.files)
+
+
+def _is_onnx(model: Any) -> bool:
+    return isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx")
+
+
+def _load(model: Any, input_dtypes: Mapping[str, Any] | None) -> LoadedModel:
     loaded = load_source(model)
-    if fixed_kwargs:
-        if loaded.program is not None:
-            raise NpucError("NPUC-E0123", f"cannot compile a decode program from {loaded.kind!r} sources: the "
-                            "program is traced already and cannot be traced one token further on",
-                            "compile from the Hugging Face folder or the nn.Module", exit_code=EXIT_UNSUPPORTED)
-        loaded.fixed_kwargs.update(fixed_kwargs)
     for name, dt in (input_dtypes or {}).items():
         loaded.input_dtypes[name] = _torch_dtype(dt)
-    shapes = resolve_input_shapes(input_shape, declared_inputs(loaded))
-    ep = _export(loaded, shapes)
-    graph = import_exported_program(ep, loaded.resolve, output_names=_output_names(ep))
-    return graph, Source(loaded.kind, loaded.files)
+    return loaded
+
+
+def _shapes(loaded: LoadedModel, input_shape: Any) -> dict[str, tuple[int, ...]]:
+    return resolve_input_shapes(input_shape, declared_inputs(loaded))
+
+
+def _import(loaded: LoadedModel, ep: torch.export.ExportedProgram) -> Graph:
+    return import_exported_program(ep, loaded.resolve, output_names=_output_names(ep))
 
 
 def _torch_dtype(dt: Any) -> torch.dtype:
@@ -147,13 +178,17 @@ DECODE_TRACE_POSITION = 1
 def source_hash(files: Sequence[str]) -> str:
     """SHA-256 over the model's files (name, size, bytes), in name order: the same model
     gives the same hash wherever it lies."""
-    h = hashlib.sha256()
-    for path in sorted(files, key=os.path.basename):
-        h.update(os.path.basename(path).encode() + b"\0" + os.path.getsize(path).to_bytes(8, "little"))
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
+    return FileSequenceHash(_hashed_files(files)).hexdigest()
+
+
+def _hashed_files(files: Sequence[str]) -> list[tuple[str, bytes]]:
+    """source_hash's files in its order, each with what precedes its bytes."""
+    return [(path, os.path.basename(path).encode() + b"\0" + os.path.getsize(path).to_bytes(8, "little"))
+            for path in sorted(files, key=os.path.basename)]
+
+
+# source_sha256 until the weights are written: the hash comes from the reads that copy them.
+_HASH_PENDING = "0" * 64
 
 
 def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
@@ -164,7 +199,7 @@ def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
     meta = {"compiler": f"npuc {npuc.__version__}", "target": target, "source_kind": source.kind}
     if source.files:
         meta["source_files"] = ",".join(sorted(os.path.basename(f) for f in source.files))
-        meta["source_sha256"] = source_hash(source.files)
+        meta["source_sha256"] = _HASH_PENDING  # see _write
     for k, v in sorted(options.items()):
         if v is None or v == frozenset():
             continue
@@ -172,29 +207,33 @@ def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
     return meta
 
 
-def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None
-                   ) -> tuple[Graph, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The model traced for one token (the decode program's source), and the RoPE
-    tables of the model traced at max_seq_len (rows for every position to cache)."""
+def _token_ids(prefill: Graph, max_seq_len: int) -> Value:
+    """The prefill's token ids [batch, seq], its only input, with room after it to decode."""
     ints = [v for v in prefill.inputs if not v.type.dtype.is_float and v.type.rank == 2]
     if len(prefill.inputs) != 1 or len(ints) != 1:
         raise NpucError("NPUC-E0124", "--max_seq_len needs a model whose only input is the token ids [batch, seq]; "
                         "this one takes " + ", ".join(f"{v.name}: {v.type}" for v in prefill.inputs),
                         "export the model with input_ids alone (attention masks are built from positions)",
                         exit_code=EXIT_USAGE)
-    ids = ints[0]
-    batch, seq = ids.type.shape
+    _check_room(ints[0].type.shape[1], max_seq_len)
+    return ints[0]
+
+
+def _check_room(seq: int, max_seq_len: int) -> None:
     if max_seq_len <= max(seq, DECODE_TRACE_POSITION):
         raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len} leaves no room to decode after the prefill "
                         f"length {seq}", f"give --max_seq_len of at least {max(seq, DECODE_TRACE_POSITION) + 1}",
                         exit_code=EXIT_USAGE)
-    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
-        raise NpucError("NPUC-E0123", "cannot compile a decode program from ONNX yet: its graph is fixed at the "
-                        "exported positions", "compile from the Hugging Face folder, or without --max_seq_len",
-                        exit_code=EXIT_UNSUPPORTED)
-    decode, _ = build_graph(model, {ids.name: (batch, 1)}, input_dtypes,
-                            {"position_ids": torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)})
-    full, _ = build_graph(model, {ids.name: (batch, max_seq_len)}, input_dtypes)
+
+
+def _refuse_onnx_decode() -> NpucError:
+    return NpucError("NPUC-E0123", "cannot compile a decode program from ONNX yet: its graph is fixed at the "
+                     "exported positions", "compile from the Hugging Face folder, or without --max_seq_len",
+                     exit_code=EXIT_UNSUPPORTED)
+
+
+def _rope_tables(full: Graph) -> list[RopeTables]:
+    """The distinct RoPE tables of the model traced at max_seq_len (rows for every position to cache)."""
     full = instrument.run_pipeline(full, rope_table_pipeline()).graph
     tables: list[tuple[torch.Tensor, torch.Tensor]] = []
     for n in full.nodes:
@@ -203,7 +242,161 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
         c, s = (v.const.load() for v in n.inputs[2:] if v.const is not None)
         if not any(torch.equal(c, tc) and torch.equal(s, ts) for tc, ts in tables):
             tables.append((c, s))
-    return decode, tables
+    return tables
+
+
+def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
+                   loaded: LoadedModel | None = None) -> tuple[Graph, list[RopeTables]]:
+    """The model traced for one token (the decode program's source), and the RoPE
+    tables of the model traced at max_seq_len: two more static traces (build_programs
+    derives both from the prefill's trace where the model traces at any length)."""
+    ids = _token_ids(prefill, max_seq_len)
+    batch, _ = ids.type.shape
+    if _is_onnx(model):
+        raise _refuse_onnx_decode()
+    loaded = loaded or _load(model, input_dtypes)
+    positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
+    decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
+    full = _import(loaded, _export(loaded, {ids.name: (batch, max_seq_len)}))
+    return decode, _rope_tables(full)
+
+
+def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int
+                   ) -> tuple[Graph, Graph, list[RopeTables], Source]:
+    """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
+    tokens at positions 0..), the decode program (one token, traced at
+    DECODE_TRACE_POSITION) and the RoPE tables of every position to cache.
+
+    One torch.export, at a symbolic sequence length with position_ids as an input, gives
+    all three: `_at_length` specialises it to each length and positions without tracing
+    again. A model that does not trace at a symbolic length (a branch on it, a
+    data-dependent size) is traced three times at static shapes instead."""
+    if _is_onnx(model):
+        prefill, source = build_graph(model, input_shape, input_dtypes)
+        _token_ids(prefill, max_seq_len)
+        raise _refuse_onnx_decode()
+    loaded = _load(model, input_dtypes)
+    shapes = _shapes(loaded, input_shape)
+    source = Source(loaded.kind, loaded.files)
+    programs = _one_trace(loaded, shapes, max_seq_len)
+    if programs is not None:
+        try:
+            prefill, decode, full = (_import(loaded, ep) for ep in programs)
+            tables = _rope_tables(full)
+        except NpucError as e:
+            log.debug("the programs of one trace do not import (%s): tracing each length", e)
+        else:
+            if tables:  # else the static traces say whether the model has RoPE npuc fuses
+                _token_ids(prefill, max_seq_len)
+                return prefill, decode, tables, source
+    prefill = _import(loaded, _export(loaded, shapes))
+    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded)
+    return prefill, decode, tables, source
+
+
+# The forward kwarg the one trace takes as an input; each program has it as a constant.
+POSITIONS = "position_ids"
+# Size checks on the symbolic length; at a static length they are settled (see _at_length).
+_SIZE_CHECKS = frozenset({"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
+                          "aten.sym_constrain_range.default"})
+
+
+class _NotStatic(Exception):
+    """A program traced at a symbolic length does not specialise to this one."""
+
+
+def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_len: int
+               ) -> tuple[torch.export.ExportedProgram, ...] | None:
+    """Prefill, decode and max_seq_len programs from one trace, or None where the model
+    needs a trace per length."""
+    ids = [n for n, shape in shapes.items() if len(shape) == 2 and not loaded.input_dtypes.get(
+        n, torch.float32).is_floating_point]
+    if loaded.program is not None or len(shapes) != 1 or len(ids) != 1 or POSITIONS in loaded.fixed_kwargs:
+        return None  # not a decodable torch model: the static path says why
+    batch, seq = shapes[ids[0]]
+    _check_room(seq, max_seq_len)
+    length = torch.export.Dim("seq_len", min=1, max=max_seq_len)
+    kwargs = {ids[0]: torch.zeros((batch, seq), dtype=loaded.input_dtypes[ids[0]]),
+              POSITIONS: torch.arange(seq).repeat(batch, 1)}
+    try:
+        ep = _trace(loaded, kwargs, loaded.fixed_kwargs, {ids[0]: {1: length}, POSITIONS: {1: length}})
+        prefill = _at_length(ep, ids[0], seq, 0)
+        if _mutates(prefill) or unsupported_ops(prefill):
+            # An op npuc imports only in functional ATen, or one that writes in place.
+            ep = _decomposed(ep)
+            prefill = _at_length(ep, ids[0], seq, 0)
+        return prefill, _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0)
+    except Exception as e:  # noqa: BLE001 - any failure here (a torch version whose export internals
+        # differ, too) only costs the static traces, which say what is wrong if anything is
+        log.debug("no single trace at a symbolic length for this model (%s): tracing each length", e)
+        return None
+
+
+def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    try:
+        with torch.no_grad():
+            return ep.run_decompositions({})
+    except Exception as e:
+        raise _NotStatic(f"run_decompositions: {e}") from e
+
+
+def _mutates(ep: torch.export.ExportedProgram) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in ep.graph.nodes if n.op == "call_function")
+
+
+def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int) -> torch.export.ExportedProgram:
+    """`ep`, traced at a symbolic length, as the static program of `n` tokens at positions
+    start..start+n-1: each size computation becomes its value, each symbolic shape its
+    size, and the position_ids input a constant. The ops are copied, not traced again;
+    export has checked that the graph holds for every length in the Dim's range."""
+    placeholders = {p.name: p for p in ep.graph.nodes if p.op == "placeholder"}
+    sig = ep.graph_signature
+    if not any(s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS
+               for s in sig.input_specs):
+        raise _NotStatic(f"the trace has no {POSITIONS} input")
+    length = placeholders[ids].meta["val"].shape[1]
+    if not isinstance(length, torch.SymInt) or not isinstance(length.node.expr, sympy.Symbol):
+        raise _NotStatic(f"the sequence length of {ids} was traced as {length}")
+    subs = {length.node.expr: sympy.Integer(n)}
+
+    def value(x: Any) -> Any:
+        if not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return x
+        e = x.node.expr.xreplace(subs)
+        if e.free_symbols:
+            raise _NotStatic(f"a size depends on {sorted(map(str, e.free_symbols))}, not only the length")
+        return bool(e) if isinstance(x, torch.SymBool) else int(e) if isinstance(x, torch.SymInt) else float(e)
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty([value(d) for d in x.shape], dtype=x.dtype, device="meta")
+        return value(x)
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            env[node] = value(val)
+            continue
+        if node.op == "call_function" and str(node.target) in _SIZE_CHECKS:
+            if node.args and torch.fx.map_arg(node.args[0], env.__getitem__) is False:
+                raise _NotStatic(f"length {n} fails the traced check {node.args[1:]}")
+            continue
+        new = graph.node_copy(node, env.__getitem__)
+        if "val" in node.meta:
+            new.meta["val"] = torch.utils._pytree.tree_map(meta, val)
+        env[node] = new
+    batch = value(placeholders[ids].meta["val"].shape[0])
+    positions = torch.arange(start, start + n, dtype=torch.int64).expand(batch, n)
+    specs = [InputSpec(InputKind.CONSTANT_TENSOR, s.arg, POSITIONS)
+             if s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS else s
+             for s in sig.input_specs]
+    return torch.export.ExportedProgram(
+        root=ep.graph_module, graph=graph, graph_signature=ExportGraphSignature(specs, list(sig.output_specs)),
+        state_dict=ep.state_dict, range_constraints={}, module_call_graph=ep.module_call_graph,
+        constants={**ep.constants, POSITIONS: positions.contiguous()}, verifiers=ep.verifiers)
 
 
 def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list[str]]:
@@ -317,17 +510,18 @@ def compile_model(
     if depfile_path is not None:
         instrument.ensure_parent(depfile_path, "--depfile")
     progress.stage("import")
-    graph, source = build_graph(model, input_shape, input_dtypes)
+    decode_graph: Graph | None = None
+    if max_seq_len is None:
+        graph, source = build_graph(model, input_shape, input_dtypes)
+    else:
+        graph, decode_graph, tables, source = build_programs(model, input_shape, input_dtypes, max_seq_len)
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
                      max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes,
                      input_format=None if input_format == "ND" else input_format)
     extra: dict[str, bytes] = {}
-    decode_graph: Graph | None = None
-    if max_seq_len is not None:
-        progress.stage("trace decode")
-        decode_graph, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
+    if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
         passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables)
         graph.name = "prefill"
@@ -354,7 +548,7 @@ def compile_model(
     check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
     progress.stage("write", low.weights_bytes)
     try:
-        write_om(low, out_path, extra, on_bytes=progress.advance)
+        _write(low, out_path, extra, source.files, progress.advance)
         if depfile_path is not None:
             deps = [*source.files, *([target.path] if target.path else []),
                     *([os.fspath(keep_dtype)] if isinstance(keep_dtype, (str, os.PathLike)) else []), *extra_deps]
@@ -367,10 +561,55 @@ def compile_model(
     return out_path
 
 
+def _write(low: Lowered, path: str, extra: Mapping[str, bytes], files: Sequence[str],
+           on_bytes: Callable[[int], None]) -> None:
+    """writer.write_om, with the weights copied file to file where they are stored as they
+    are (weight_chunks' FileRanges), and the input model's hash (metadata source_sha256)
+    taken from the reads that hash them: so the metadata section is written last."""
+    sections = split_model(low.model)
+    model_hash = FileSequenceHash(_hashed_files(files), _stored_ranges(low)) if files else None
+
+    def metadata() -> bytes:
+        assert model_hash is not None
+        digest = model_hash.hexdigest()
+        for entry in low.model.metadata:
+            if entry.key == "source_sha256":
+                entry.value = digest
+        return split_model(low.model)[METADATA]
+
+    def counted(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        for c in chunks:
+            yield c
+            on_bytes(len(c))
+
+    with OmWriter(path) as w:
+        for name, data in sections.items():
+            if name == METADATA and model_hash is not None:
+                w.add_late_section(name, len(data), metadata)
+            else:
+                w.add_section(name, data)
+        for name in sorted(extra):
+            w.add_section(name, extra[name])
+        w.add_streamed_section(WEIGHTS, counted(weight_chunks(low, ranges=True)), low.weights_bytes,
+                               WEIGHTS_ALIGN, also=model_hash)
+
+
+def _stored_ranges(low: Lowered) -> list[FileRange]:
+    """The file ranges weight_chunks(low, ranges=True) will give, in its order (read off
+    the sources, nothing loaded): the model's hash plans which to take from the copy."""
+    out = []
+    for v in low.weights:
+        where = getattr(v.const, "file_range", None)
+        stored = where(v.type) if where is not None else None
+        if stored is not None:
+            out.append(FileRange(*stored))
+    return out
+
+
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
               tables: Sequence[RopeTables] = ()) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
-    decode over a KV cache of that many positions (the RoPE `tables` from _decode_inputs)."""
+    decode over a KV cache of that many positions (the RoPE `tables` from build_programs)."""
     if max_seq_len is None:
         return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim)]
     cache_len = align_up(max_seq_len, target.matrix_tile)

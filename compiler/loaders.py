@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from npuc.compiler.shapes import DeclaredInput
-from npuc.compiler.weights import file_range_chunks, safetensors_layout
+from npuc.compiler.weights import safetensors_layout
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import ConstSource, TensorSource, TensorType
 
@@ -30,18 +30,22 @@ _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", 
 class SafetensorsSource:
     """One tensor of a safetensors file, read on demand and cast to the model's dtype."""
 
+    # Said outright: lowering would otherwise read and hash every weight to tell whether
+    # prefill and decode share it (the file and key say so).
+    in_memory = False
+
     def __init__(self, path: str, key: str, dtype: torch.dtype,
                  layout: tuple[str, tuple[int, ...], int, int] | None = None) -> None:
         self.path, self.key, self.dtype, self.layout = path, key, dtype, layout
 
-    def raw_chunks(self, want: TensorType) -> Iterator[bytes] | None:
-        """The stored bytes, streamed, when they already are what the .om wants."""
+    def file_range(self, want: TensorType) -> tuple[str, int, int] | None:
+        """(path, offset, length) of the stored bytes, when they already are what the .om wants."""
         if self.layout is None:
             return None
         dtype, shape, offset, length = self.layout
         if dtype != want.dtype.value or shape != want.shape or length != want.nbytes:
             return None
-        return file_range_chunks(self.path, offset, length, f"weight {self.key!r}")
+        return self.path, offset, length
 
     def load(self) -> torch.Tensor:
         from safetensors import safe_open

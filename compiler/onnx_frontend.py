@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +78,12 @@ class OnnxTensorSource:
                             f"its shape needs {nbytes}", "the model file is inconsistent", exit_code=EXIT_IO)
         return path, nbytes
 
-    def raw_chunks(self, want: TensorType) -> Iterator[bytes] | None:
-        """External bytes are already little-endian and contiguous: stream them as they are."""
+    def file_range(self, want: TensorType) -> tuple[str, int, int] | None:
+        """External bytes are already little-endian and contiguous: (path, offset, length)."""
         if self.location is None or want.dtype != self.dtype or want.shape != self.shape:
             return None
         path, nbytes = self._external()
-        return file_range_chunks(path, self.offset, nbytes, f"external data of {self.tensor.name!r}")
+        return path, self.offset, nbytes
 
     def load(self) -> torch.Tensor:
         np_dtype = _NP[self.dtype]

@@ -28,9 +28,9 @@ class ConstSource(Protocol):
 
     `in_memory` (default False) says the data is already in memory, so passes may
     look at it; a weight in a file is read only to be written into the `.om`.
-    A source may also offer `raw_chunks(type) -> Iterator[bytes] | None`: its bytes,
-    exactly as `type` lays them out, in bounded chunks (or None when it cannot),
-    so that the backend copies a large weight without holding it in memory.
+    A source may also offer `file_range(type) -> (path, offset, length) | None`: where
+    its bytes lie in a file exactly as `type` lays them out (or None when they do not),
+    so that the backend copies a large weight file to file, never through memory.
     """
 
     def load(self) -> torch.Tensor: ...

@@ -457,14 +457,20 @@ def linear_nk(w: TensorType, layout: str) -> tuple[int, int]:
     return (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
 
 
-@op("linear", ("x", "weight", "bias?"), {"weight_layout": Attr("str", "nk")}, kernel=_linear_kernel,
-    flops=_matmul_flops, unit="cube",
+@op("linear", ("x", "weight", "bias?"),
+    {"weight_layout": Attr("str", "nk"), "valid_rows": Attr("int", None, optional=True)},
+    kernel=_linear_kernel, flops=_matmul_flops, unit="cube",
     doc="y = x @ W + bias; the weight is stored [out, in] (layout nk, torch's) or [in, out] (layout kn, "
-        "ONNX MatMul's), so no weight is ever transposed")
+        "ONNX MatMul's), so no weight is ever transposed. valid_rows (set by target alignment): only the "
+        "first valid_rows rows along x's axis -2 carry data, the rest are tile padding whose results no "
+        "one reads; a kernel may leave those rows of y unwritten")
 def _linear(ins: T, attrs: A) -> list[TensorType]:
     x, w = ins[0], ins[1]
     if attrs["weight_layout"] not in ("nk", "kn") or w.rank != 2:
         raise ShapeError(f"linear weight {w} with layout {attrs['weight_layout']!r}")
+    rows = attrs["valid_rows"]
+    if rows is not None and (x.rank < 2 or not 1 <= rows <= x.shape[-2]):
+        raise ShapeError(f"linear valid_rows={rows} does not fit input {x}")
     n, k = linear_nk(w, attrs["weight_layout"])
     if x.rank < 1 or x.shape[-1] != k:
         raise ShapeError(f"linear weight {w} does not fit input {x}")
@@ -915,6 +921,7 @@ def _kv_write(ins: T, attrs: A) -> list[TensorType]:
 def _cached_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     q, kc, vc, pos = xs
     # Query i sees cached keys 0..position[i]: the causal mask, offset by where the chunk starts.
+    # A half cache is computed in f32 and rounded once (_sdpa_kernel).
     mask = torch.arange(kc.shape[-2], device=q.device)[None, :] <= pos.reshape(-1, 1).long()
     return _sdpa_kernel([q, kc, vc, mask], {"scale": a["scale"], "causal": False, "gqa": q.shape[-3] != kc.shape[-3]})
 
@@ -963,21 +970,24 @@ def _mla_mask(s: int, n: int, pos: torch.Tensor | None, causal: bool, device: to
 
 
 def _mla_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    # Products with the per-head weights run in the operands' dtype, as a linear does; the
+    # scores, softmax and the sum over rows in f32 (a half cache is read widened).
     q_nope, q_rot, kv, w_uk, w_uv = xs[:5]
     pos = xs[5] if len(xs) > 5 else None
     r = w_uk.shape[2]
     lat, k_rot = kv[..., :r].float(), kv[..., r:].float()  # [b, 1, n, r], [b, 1, n, dr]
     mask = _mla_mask(q_nope.shape[2], kv.shape[2], pos, a["causal"], q_nope.device)
     if mla_absorbed([TensorType(tuple(x.shape), DType.f32) for x in xs[:5]]):
-        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope.float(), w_uk.float())
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk).float()
         scores = (q_lat @ lat.transpose(-1, -2) + q_rot.float() @ k_rot.transpose(-1, -2)) * a["scale"]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         o_lat = torch.softmax(scores, dim=-1) @ lat
-        out = torch.einsum("bhsr,hrv->bhsv", o_lat, w_uv.float())
+        out = torch.einsum("bhsr,hrv->bhsv", o_lat.to(w_uv.dtype), w_uv)
     else:
-        k_nope = torch.einsum("bxnr,hdr->bhnd", lat, w_uk.float())
-        v = torch.einsum("bxnr,hrv->bhnv", lat, w_uv.float())
+        c = kv[..., :r]
+        k_nope = torch.einsum("bxnr,hdr->bhnd", c, w_uk).float()
+        v = torch.einsum("bxnr,hrv->bhnv", c, w_uv).float()
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         q = torch.cat((q_nope.float(), q_rot.float()), dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a["scale"])

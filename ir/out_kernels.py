@@ -216,29 +216,57 @@ def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor) -> None:
         scores[..., i, p + 1:].fill_(float("-inf"))
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
-    q, kc = ins[0], ins[1]
+    q, kc, vc = ins[:3]
     b, hq, s, _ = q.shape
-    return (b * hq * s * kc.shape[2] + 1) * F32
+    n = b * hq * s * kc.shape[2] + 1  # the scores, the scale
+    if q.dtype != DType.f32:  # f32 copies of the query, the result and one KV head's rows at a time
+        n += q.numel + outs[0].numel + kc.shape[2] * max(kc.shape[3], vc.shape[3])
+    return n * F32
 
 
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     q, kc, vc, pos = xs
     out = outs[0]
-    if q.dtype != torch.float32 or not q.is_contiguous():
+    half = q.dtype in _HALF
+    if not (half or q.dtype == torch.float32) or kc.dtype != q.dtype or vc.dtype != q.dtype \
+            or not q.is_contiguous():
         return False
     b, hq, s, d = q.shape
-    hkv, length = kc.shape[1], kc.shape[2]
+    hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
     g = hq // hkv
+    # No query sees a row past the last position: those rows are neither read nor scored.
+    n = min(length, max(pos.tolist()) + 1)
     # Grouped-query attention without repeating K/V: q's heads of one group stack as rows.
-    scores = _f32(ws, 0, (b, hkv, g * s, length))
-    scale = _scalar(ws, scores.numel() * F32, a["scale"])
-    torch.matmul(q.view(b, hkv, g * s, d), kc.transpose(-1, -2), out=scores)
+    qg, k, v, o = q.view(b, hkv, g * s, d), kc[:, :, :n], vc[:, :, :n], out.view(b, hkv, g * s, dv)
+    scores = _f32(ws, 0, (b, hkv, g * s, n))
+    off = b * hq * s * length * F32
+    scale = _scalar(ws, off, a["scale"])
+    if not half:
+        torch.matmul(qg, k.transpose(-1, -2), out=scores)
+    else:  # scores and softmax in f32, as the reference: widen the query, then one KV head's rows
+        off += F32
+        qg = _f32(ws, off, (b, hkv, g * s, d)).copy_(qg)
+        off += qg.numel() * F32
+        o = _f32(ws, off, (b, hkv, g * s, dv))
+        off += o.numel() * F32
+        for j in range(b):
+            for h in range(hkv):  # the widened rows of one head at a time: scratch of one head, not the cache
+                torch.mm(qg[j, h], _f32(ws, off, (n, d)).copy_(k[j, h]).t(), out=scores[j, h])
     scores.mul_(scale)
-    _hide_later_rows(scores.view(b, hkv, g, s, length), pos)
+    _hide_later_rows(scores.view(b, hkv, g, s, n), pos)
     torch.softmax(scores, dim=-1, out=scores)
-    torch.matmul(scores, vc, out=out.view(b, hkv, g * s, vc.shape[-1]))
+    if not half:
+        torch.matmul(scores, v, out=o)
+    else:
+        for j in range(b):
+            for h in range(hkv):
+                torch.mm(scores[j, h], _f32(ws, off, (n, dv)).copy_(v[j, h]), out=o[j, h])
+        out.view(b, hkv, g * s, dv).copy_(o)  # rounded once
     return True
 
 
@@ -249,36 +277,50 @@ def _mla_ws(ins: T, outs: T, a: A) -> int:
         return 0  # the reference kernel's case (a prefill): no scratch to plan
     b, h, s, _ = ins[0].shape
     r, dr, n = ins[3].shape[2], ins[1].shape[3], ins[2].shape[2]
-    return (b * h * s * (r + (r + dr) + n + r) + 1) * F32
+    f32 = b * h * s * ((r + dr) + n + r) + 1  # [q_lat | q_rot], the scores, o_lat, the scale
+    if ins[0].dtype != DType.f32:
+        f32 += b * n * (r + dr)  # the cache's rows, widened
+    return f32 * F32 + b * h * s * r * ins[0].dtype.itemsize  # q_lat (later o_lat) in the operands' dtype
 
 
 @out_kernel("mla_attention", workspace=_mla_ws)
 def _mla_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     q_nope, q_rot, kv, w_uk, w_uv = xs[:5]
     pos = xs[5] if len(xs) > 5 else None
-    if ws is None or any(x.dtype != torch.float32 for x in xs[:5]):
+    dt = q_nope.dtype
+    if ws is None or not (dt in _HALF or dt == torch.float32) or any(x.dtype != dt for x in xs[:5]):
         return False  # no scratch planned (_mla_ws): the expanded or causal form, the reference kernel's
     b, h, s, _ = q_nope.shape
     r, dr, n = w_uk.shape[2], q_rot.shape[3], kv.shape[2]
-    q_lat = _f32(ws, 0, (b, h, s, r))
-    q_cat = _f32(ws, q_lat.numel() * F32, (b, h, s, r + dr))
-    off = (q_lat.numel() + q_cat.numel()) * F32
-    scores = _f32(ws, off, (b, h, s, n))
-    o_lat = _f32(ws, off + scores.numel() * F32, (b, h, s, r))
-    scale = _scalar(ws, off + (scores.numel() + o_lat.numel()) * F32, a["scale"])
+    m = n if pos is None else min(n, max(pos.tolist()) + 1)  # the rows any query sees
+    q_cat = _f32(ws, 0, (b, h, s, r + dr))
+    off = q_cat.numel() * F32
+    scores = _f32(ws, off, (b, h, s, m))
+    off += b * h * s * n * F32
+    o_lat = _f32(ws, off, (b, h, s, r))
+    off += o_lat.numel() * F32
+    scale = _scalar(ws, off, a["scale"])
+    off += F32
+    rows = kv[:, 0, :m]  # [b, m, r + dr]
+    if dt != torch.float32:  # the scores in f32, as the reference: widen the rows seen
+        rows = _f32(ws, off, (b, m, r + dr)).copy_(rows)
+        off += b * n * (r + dr) * F32
+    # The products with W_UK and W_UV run in the operands' dtype, as the reference's do.
+    q_lat = ws[off:off + b * h * s * r * q_nope.element_size()].view(dt).view(b, h, s, r)
     for j in range(b):  # batch by batch: every product is a plain mm/bmm, so nothing is copied
         torch.bmm(q_nope[j], w_uk, out=q_lat[j])  # the queries in latent space: q_nope_i @ W_UK_i
         q_cat[j, ..., :r].copy_(q_lat[j])
         q_cat[j, ..., r:].copy_(q_rot[j])
         # [q_lat | q_rot] . [c | k_rope] = the full per-head q.k, without expanding any key
-        torch.mm(q_cat[j].view(h * s, r + dr), kv[j, 0].t(), out=scores[j].view(h * s, n))
+        torch.mm(q_cat[j].view(h * s, r + dr), rows[j].t(), out=scores[j].view(h * s, m))
     scores.mul_(scale)
     if pos is not None:
         _hide_later_rows(scores, pos)
     torch.softmax(scores, dim=-1, out=scores)
     for j in range(b):
-        torch.mm(scores[j].view(h * s, n), kv[j, 0, :, :r], out=o_lat[j].view(h * s, r))
-        torch.bmm(o_lat[j], w_uv, out=outs[0][j])  # back out of the latent: o_lat_i @ W_UV_i
+        torch.mm(scores[j].view(h * s, m), rows[j, :, :r], out=o_lat[j].view(h * s, r))
+        lat = o_lat[j] if dt == torch.float32 else q_lat[j].copy_(o_lat[j])
+        torch.bmm(lat, w_uv, out=outs[0][j])  # back out of the latent: o_lat_i @ W_UV_i
     return True
 
 

@@ -5,7 +5,9 @@ the default NPU target).
     %y : f32[1,7,24] = linear(%x : f32[1,7,40], @w : f32[24,40])
   ->
     %xp : f32[1,16,48] = pad[pads=[0,0,0,0,9,8]](%x)            zeros: the product is unchanged
-    %yp : f32[1,16,32] = linear(%xp, @w_pad : f32[32,48])         weights padded at compile time (lazily)
+    %yp : f32[1,16,32] = linear[valid_rows=7](%xp, @w_pad : f32[32,48])
+                                              weights padded at compile time (lazily); rows 7..15
+                                              are padding, which a host kernel need not compute
     %y  : f32[1,7,24]  = slice(slice(%yp, axis=1, 0:7), axis=2, 0:24)
 
     fused_attention(q [b,h,s,d], k, v)  ->  q, k, v padded on s and d; padded key positions
@@ -123,7 +125,9 @@ class TargetAlignment(Pass):
         xp = e.pad(x, {-2: m2, -1: k2})
         wp = e.pad(w, {0: n2, 1: k2} if layout == "nk" else {0: k2, 1: n2})
         ins = [xp, wp] + ([e.pad(bias, {0: n2})] if bias is not None else [])
-        y = e.op("linear", ins, dict(node.attrs), label="aligned")
+        # The padded rows are never read: a kernel that honours valid_rows skips them.
+        attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
+        y = e.op("linear", ins, attrs, label="aligned")
         self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
         return True
 

@@ -28,6 +28,15 @@ token costs (r + dr) values per layer instead of 2 x heads x head_dim:
     %wkv = kv_write(%kv_cache.0.latent, %kv, %position)
     %o = mla_attention(%q_nope, %q_rot, %wkv, @w_uk, @w_uv, %position)    decode: over the cache
 
+The states take the dtype of what they cache, here the model's (f32). The precision pass,
+which runs after this one, converts a layer's cache with its attention (latent caches
+too): under allow_mix_precision_bf16 a token's rows are written and read in bf16 (f16
+under the f16 modes), and `npuc info`'s KV bytes per token halve:
+
+    state %kv_cache.0.k : bf16[1,2,64,16]
+    %wk = kv_write(%kv_cache.0.k, cast[dtype=bf16](%k), %position)
+    %o_bf16 = cached_attention(cast[dtype=bf16](%q), %wk, %wv, %position)    scores in f32
+
 RoPE moves with the token: every `rope_lut` reads its rows at the program's positions
 from tables that cover 0..max_seq_len-1 (`tables`, taken from the same model traced at
 that length; each program's own rows must agree with them, which also picks the table
@@ -54,6 +63,9 @@ from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.manager import Pass, PassResult
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+# Decode's attention over the cache is named after the attention it replaces, plus this:
+# `--keep_dtype X` keeps both programs' attention (and so their shared cache) as it is.
+CACHED = ".cached"
 
 
 def _refuse(msg: str) -> NpucError:
@@ -119,7 +131,7 @@ class KVCache(Pass):
                 attrs = {"scale": n.attrs["scale"], "causal": False}
             else:
                 op, ins, attrs = "cached_attention", [q, *written, pos], {"scale": n.attrs["scale"]}
-            new = g.add_node(op, ins, [n.outputs[0].type], attrs, names=n.name + ".cached", before=n)
+            new = g.add_node(op, ins, [n.outputs[0].type], attrs, names=n.name + CACHED, before=n)
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)
 

@@ -60,7 +60,9 @@ def main(argv: list[str]) -> None:
                    and st.opdef.name not in ("reshape", "transpose", "slice", "expand", "split")})
     print(f"{path} {program or 'default program'}: {len(p.steps)} ops; per run (outputs not copied) "
           f"{r.count} allocating kernel calls, {r.bytes:,} B; arena {s.arena_bytes:,} B and state "
-          f"{s.state_bytes:,} B allocated once" + (f"; ops without an out-kernel: {', '.join(left)}" if left else ""))
+          f"{s.state_bytes:,} B allocated once; kernels chosen at load (all programs): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(s.launchers.kinds.items()))
+          + (f"; ops without an out-kernel: {', '.join(left)}" if left else ""))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ region, allocated and zeroed once at load, which persists across runs until
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from npuc.backend.om_format import OmFile
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
+from npuc.runtime import native
+from npuc.runtime.launch import Bound, Launchers
 
 
 def _attr(v: Any) -> Any:
@@ -71,7 +74,8 @@ class Program:
 
 
 class Session:
-    def __init__(self, om: OmFile, model: Any, device: str = "cpu") -> None:
+    def __init__(self, om: OmFile, model: Any, device: str = "cpu", use_native: bool = True,
+                 prepack: bool | None = None) -> None:
         self.om = om
         self.model = model
         self.device = torch.device(device)
@@ -115,16 +119,31 @@ class Session:
         if self.device.type != "cpu":
             self._weights = self._weights.to(self.device)
         self.views = [self._view(t) for t in self.tensors]
-        # Each step's operand views, bound once: a run then only calls kernels.
-        self._bound = {name: [([self.views[i] for i in st.inputs], [self.views[o] for o in st.outputs],
-                               self.views[st.workspace] if st.workspace is not None else None, st)
+        # Each step's operand views, bound once, and its kernel chosen once (runtime/launch.py):
+        # a run then only calls kernels.
+        self._bound = {name: [Bound(st.opdef, st.attrs, [self.views[i] for i in st.inputs],
+                                    [self.views[o] for o in st.outputs],
+                                    self.views[st.workspace] if st.workspace is not None else None)
                               for st in p.steps] for name, p in self.programs.items()}
+        cpu = self.device.type == "cpu"
+        if prepack is None:
+            prepack = os.environ.get("NPUC_PREPACK", "1") != "0"
+        self.launchers = Launchers(native.library() if cpu and use_native else None,
+                                   prepack=cpu and use_native and prepack)
+        self._per_step = {name: [self.launchers.choose(b) for b in bound] for name, bound in self._bound.items()}
+        self._launch = {name: [f for f in fs if f is not None] for name, fs in self._per_step.items()}
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu") -> Session:
+    def load(cls, path: str, device: str = "cpu", use_native: bool = True, prepack: bool | None = None
+             ) -> Session:
+        """`use_native=False` runs every op with the registry's torch kernels (the native
+        CPU kernels are also off where they cannot be built, or with NPUC_NATIVE=0).
+        `prepack` (default: on, unless NPUC_PREPACK=0) keeps a copy of the matrix weights
+        packed for the host's GEMM, for products of many rows (prefill): faster, at the
+        cost of that copy's memory (`launchers.packed_bytes`)."""
         om = OmFile.open(path)
         model = join_model(path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
-        return cls(om, model, device)
+        return cls(om, model, device, use_native, prepack)
 
     def _check_refs(self, steps: list[_Step], refs: list[int]) -> None:
         n = len(self.tensors)
@@ -214,14 +233,13 @@ class Session:
             self.views[tid].copy_(x)
         views = self.views
         with torch.no_grad():
-            for ins, outs, ws, st in self._bound[p.name]:
-                od = st.opdef
-                if od.out_kernel is None or not od.out_kernel(ins, st.attrs, outs, ws):
-                    results = od.run(ins, st.attrs)
-                    for dst, r in zip(outs, results, strict=True):
-                        if r.data_ptr() != dst.data_ptr():  # a view or an in-place write is there already
-                            dst.copy_(r)
-                if on_step is not None:
-                    on_step(st.name, od.name, outs)
+            if on_step is None:
+                for launch in self._launch[p.name]:
+                    launch()
+            else:  # every step, views included, each with its callback
+                for launch, b, st in zip(self._per_step[p.name], self._bound[p.name], p.steps, strict=True):
+                    if launch is not None:
+                        launch()
+                    on_step(st.name, st.opdef.name, b.outs)
         return {t.name: views[i].clone() if copy_outputs else views[i]
                 for i, t in zip(p.output_ids, p.outputs, strict=True)}

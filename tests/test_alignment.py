@@ -135,7 +135,7 @@ def test_compiled_model_at_an_odd_length_is_aligned_and_exact(hf_checkpoints: di
 
 
 def test_filecheck_linear_alignment() -> None:
-    # a 7x40 @ 40x24 product becomes 16x48 @ 48x32, sliced back
+    # a 7x40 @ 40x24 product becomes 16x48 @ 48x32, sliced back; rows 7..15 are marked padding
     g = _with_data("""graph main(%x : f32[1,7,40]) {
   const @w : f32[24,40]
   %y : f32[1,7,24] = linear(%x, @w)
@@ -147,7 +147,7 @@ def test_filecheck_linear_alignment() -> None:
   const @w : f32[24,40]
   %y_pad : f32[1,16,48] = pad[pads=[0,0,0,0,9,8]](%x)
   %y_pad_1 : f32[32,48] = pad[pads=[0,0,8,8]](@w)
-  %y_aligned : f32[1,16,32] = linear(%y_pad, %y_pad_1)
+  %y_aligned : f32[1,16,32] = linear[valid_rows=7](%y_pad, %y_pad_1)
   %y_unpad : f32[1,7,32] = slice[axis=1, end=7, start=0, step=1](%y_aligned)
   %y : f32[1,7,24] = slice[axis=2, end=24, start=0, step=1](%y_unpad)
   return %y

@@ -301,6 +301,46 @@ def test_prefill_then_decode_through_the_runtime(tmp_path: Path) -> None:
     assert not torch.allclose(out, want[:, :, total - 1:total], atol=1e-3)
 
 
+@pytest.mark.parametrize("mode, dtype", [("allow_mix_precision_bf16", DType.bf16),
+                                         ("allow_fp32_to_fp16", DType.f16)])
+def test_half_caches_through_the_runtime(mode: str, dtype: DType, tmp_path: Path) -> None:
+    """The precision pass after this one gives both programs' caches the mode's half dtype
+    (half the state bytes); prefill then decode still compute the full causal rows, to
+    the half dtype's rounding of q, k and v (scores in f32)."""
+    from npuc.passes.precision import Precision
+
+    pre, total = 5, 9
+    graphs = [apply("prefill", build(pre, name="prefill")),
+              apply("decode", build(1, TRACE, name="decode"), trace_position=TRACE)]
+    for g in graphs:
+        res = Precision(mode)(g)
+        verify(g)
+        assert res.details["caches"] == [f"kv_cache.{i}.{kv} {dtype}" for i in range(LAYERS) for kv in "kv"]
+        assert all(st.type == TensorType((B, HKV, CACHE, D), dtype) for st in g.states.values())
+        assert not res.details["reads_state"]
+    check_order(str(graphs[1]), [
+        f"state %kv_cache.0.k : {dtype}[1,2,16,8]",
+        f"%kr0_{dtype} : {dtype}[1,2,1,8] = cast[dtype={dtype}](%kr0)",
+        f"%kv_cache.0.k.write : {dtype}[1,2,16,8] = kv_write(%kv_cache.0.k, %kr0_{dtype}, %position)",
+        f"%o0.cached_{dtype} : {dtype}[1,4,1,8] = cached_attention[scale={SCALE!r}](%qr0_{dtype}, "
+        "%kv_cache.0.k.write, %kv_cache.0.v.write, %position)",
+        f"%o0.cached : f32[1,4,1,8] = cast[dtype=f32](%o0.cached_{dtype})",
+    ])
+    low = lower(graphs, get_target("cpu"))
+    assert low.model.state_bytes == 2 * LAYERS * B * HKV * CACHE * D * dtype.itemsize
+    write_om(low, str(tmp_path / "kv.om"))
+    sess = Session.load(str(tmp_path / "kv.om"))
+    feeds = full_feeds(total, seed=7)
+    want, _ = reference(feeds)
+    tol = 2 * torch.finfo(dtype.torch).eps * float(want.abs().max())  # measured: at most 0.2 of this
+    (out,) = sess.run({k: np.asarray(v) for k, v in rows(feeds, 0, pre).items()}, "prefill").values()
+    assert float((out - want[:, :, :pre]).abs().max()) < tol
+    for p in range(pre, total):
+        (out,) = sess.run({**{k: np.asarray(v) for k, v in rows(feeds, p, p + 1).items()},
+                           "position": np.array([p])}, "decode").values()
+        assert float((out - want[:, :, p:p + 1]).abs().max()) < tol, p
+
+
 # --- refusals ---------------------------------------------------------------------------
 
 

@@ -305,6 +305,42 @@ def test_fold_respects_max_bytes_of_an_operand() -> None:
     assert torch.equal(g.constants["s_folded"].const.load(), torch.tensor(64.0))
 
 
+def _retype_graph(op: str, attrs: dict[str, object], second_reader: bool) -> Graph:
+    """@w : f32[8,8] (256 bytes) -> op -> add with %x; optionally %w read by another add."""
+    g = Graph()
+    w = g.add_constant("w", f32(8, 8), TensorSource(torch.arange(64, dtype=torch.float32).reshape(8, 8)))
+    t = typed_node(g, op, [w], attrs, names="t")
+    x = g.add_input("x", t.output.type)
+    outs = [typed_node(g, "add", [x, t.output], names="y").output]
+    if second_reader:
+        x2 = g.add_input("x2", f32(8, 8))
+        outs.append(typed_node(g, "add", [x2, w], names="z").output)
+    g.set_outputs(outs)
+    return g
+
+
+def test_fold_past_max_bytes_replaces_a_weight_it_retypes() -> None:
+    """A precision cast or a layout change of a big weight folds in the weight's place (the
+    runtime would otherwise redo it every run); a big copy beside the weight does not."""
+    # -- constant-folding[max_bytes=64]: a narrowing cast folds, even beside the weight --
+    g = _retype_graph("cast", {"dtype": DType.bf16}, second_reader=True)
+    assert ConstantFolding(max_bytes=64)(g).modified is True
+    assert torch.equal(g.constants["t_folded"].const.load(), torch.arange(64.0).reshape(8, 8).bfloat16())
+    # -- a transpose that the weight's other reader would leave as a second copy: left alone --
+    g = _retype_graph("transpose", {"perm": (1, 0)}, second_reader=True)
+    assert ConstantFolding(max_bytes=64)(g).modified is False
+    # -- the same transpose as the weight's only reader: folded in its place --
+    g = _retype_graph("transpose", {"perm": (1, 0)}, second_reader=False)
+    assert ConstantFolding(max_bytes=64)(g).modified is True
+    assert torch.equal(g.constants["t_folded"].const.load(), torch.arange(64.0).reshape(8, 8).t())
+    # -- a tile pad of the weight: folded (it grows by less than max_bytes) --
+    g = _retype_graph("pad", {"pads": (0, 0, 0, 1)}, second_reader=False)
+    assert ConstantFolding(max_bytes=64)(g).modified is True
+    # -- an expand far past its operand: left alone --
+    g = _retype_graph("expand", {"shape": (4, 8, 8)}, second_reader=False)
+    assert ConstantFolding(max_bytes=64)(g).modified is False
+
+
 def test_fold_multi_output_split() -> None:
     g = Graph()
     x = g.add_input("x", f32(2))

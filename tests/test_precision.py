@@ -156,34 +156,113 @@ def test_filecheck_force_fp16() -> None:
 """
 
 
-def test_filecheck_kv_cache_readers_keep_the_cache_dtype() -> None:
-    # kv_write writes the f32 state in place and cached_attention reads it: both stay f32
-    # (converting the reader would cast the whole cache every step); the query's producer converts
-    from npuc.ir import TensorSource, parse_graph
-
-    g = parse_graph("""graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
+DECODE = """graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
   const @w : f32[16,16]
   state %kv_cache.0.k : f32[1,2,32,16]
   %q : f32[1,2,1,16] = linear(%x, @w)
   %wk : f32[1,2,32,16] = kv_write(%kv_cache.0.k, %k, %pos)
-  %o : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)
+  %o.cached : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)
   update %kv_cache.0.k = %wk
+  return %o.cached
+}
+"""
+
+
+def _decode(mode: str, keep: frozenset[str] = frozenset(), text: str = DECODE
+            ) -> tuple[Graph, dict[str, list[str]]]:
+    from npuc.ir import TensorSource, parse_graph, verify
+
+    g = parse_graph(text)
+    g.constants["w"].const = TensorSource(torch.randn(16, 16))
+    res = Precision(mode, keep)(g)
+    verify(g)
+    return g, res.details
+
+
+def test_filecheck_kv_cache_converts_with_its_attention() -> None:
+    # the cache state takes the attention's dtype: kv_write writes bf16 rows, and the
+    # attention reads the bf16 cache (a cast of the whole cache per step would be the alternative)
+    g, details = _decode("allow_mix_precision_bf16")
+    assert details["caches"] == ["kv_cache.0.k bf16"] and details["converted"] == ["q", "o.cached"]
+    assert str(g) == """graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
+  const @w : f32[16,16]
+  state %kv_cache.0.k : bf16[1,2,32,16]
+  %x_bf16 : bf16[1,2,1,16] = cast[dtype=bf16](%x)
+  %w_bf16 : bf16[16,16] = cast[dtype=bf16](@w)
+  %q_bf16 : bf16[1,2,1,16] = linear(%x_bf16, %w_bf16)
+  %k_bf16 : bf16[1,2,1,16] = cast[dtype=bf16](%k)
+  %wk : bf16[1,2,32,16] = kv_write(%kv_cache.0.k, %k_bf16, %pos)
+  %o.cached_bf16 : bf16[1,2,1,16] = cached_attention[scale=0.25](%q_bf16, %wk, %wk, %pos)
+  %o.cached : f32[1,2,1,16] = cast[dtype=f32](%o.cached_bf16)
+  update %kv_cache.0.k = %wk
+  return %o.cached
+}
+"""
+
+
+@pytest.mark.parametrize("mode, cache", [
+    ("must_keep_origin_dtype", DType.f32), ("force_fp32", DType.f32), ("force_fp16", DType.f16),
+    ("allow_fp32_to_fp16", DType.f16), ("allow_mix_precision_bf16", DType.bf16),
+    ("allow_fp32_to_bf16", DType.bf16)])
+def test_cache_dtype_follows_the_mode(mode: str, cache: DType) -> None:
+    g, _ = _decode(mode)
+    assert g.states["kv_cache.0.k"].type.dtype == cache
+    assert g.outputs[0].producer is not None and g.outputs[0].producer.inputs[0].type.dtype == cache
+
+
+@pytest.mark.parametrize("keep", ["o", "o.cached"])
+def test_a_kept_attention_keeps_its_cache(keep: str) -> None:
+    # prefill's attention is `o`, decode's `o.cached`: either name keeps both, so the
+    # programs agree on the state they share
+    g, details = _decode("force_fp16", frozenset({keep}))
+    assert g.states["kv_cache.0.k"].type.dtype == DType.f32
+    assert details["kept"] == ["o.cached"] and details["converted"] == ["q"] and not details["caches"]
+
+
+def test_a_reader_of_a_cache_kept_for_another_stays_in_its_dtype() -> None:
+    # two readers that disagree (one kept): the cache stays f32 and the other reader with it
+    two = DECODE.replace("  update", "  %p : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)\n"
+                         "  update").replace("return %o.cached", "return %o.cached, %p")
+    g, details = _decode("allow_fp32_to_fp16", frozenset({"o"}), two)
+    assert g.states["kv_cache.0.k"].type.dtype == DType.f32
+    assert details["kept"] == ["o.cached"] and details["reads_state"] == ["p"] and not details["caches"]
+
+
+def test_round_trips_collapse_through_layout_ops() -> None:
+    # cast[bf16](transpose(reshape(cast[f32](%a : bf16)))) -> transpose(reshape(%a)): exact moves
+    from npuc.ir import TensorSource, parse_graph, verify
+
+    g = parse_graph("""graph main(%x : f32[1,2,32]) {
+  const @w : f32[32,32]
+  %a : f32[1,2,32] = linear(%x, @w)
+  %r : f32[1,2,2,16] = reshape[shape=[1,2,2,16]](%a)
+  %t : f32[1,2,2,16] = transpose[perm=[0,2,1,3]](%r)
+  %o : f32[1,2,2,16] = fused_attention[causal=true, scale=0.25](%t, %t, %t)
   return %o
 }
 """)
-    g.constants["w"].const = TensorSource(torch.randn(16, 16))
-    res = Precision("force_fp16")(g)
-    assert res.details["reads_state"] == ["o"] and res.details["converted"] == ["q"]
-    assert str(g) == """graph decode(%x : f32[1,2,1,16], %k : f32[1,2,1,16], %pos : i64[1]) {
-  const @w : f32[16,16]
-  state %kv_cache.0.k : f32[1,2,32,16]
-  %x_f16 : f16[1,2,1,16] = cast[dtype=f16](%x)
-  %w_f16 : f16[16,16] = cast[dtype=f16](@w)
-  %q_f16 : f16[1,2,1,16] = linear(%x_f16, %w_f16)
-  %q : f32[1,2,1,16] = cast[dtype=f32](%q_f16)
-  %wk : f32[1,2,32,16] = kv_write(%kv_cache.0.k, %k, %pos)
-  %o : f32[1,2,1,16] = cached_attention[scale=0.25](%q, %wk, %wk, %pos)
-  update %kv_cache.0.k = %wk
+    g.constants["w"].const = TensorSource(torch.randn(32, 32))
+    Precision("allow_mix_precision_bf16")(g)
+    verify(g)
+    assert str(g) == """graph main(%x : f32[1,2,32]) {
+  const @w : f32[32,32]
+  %x_bf16 : bf16[1,2,32] = cast[dtype=bf16](%x)
+  %w_bf16 : bf16[32,32] = cast[dtype=bf16](@w)
+  %a_bf16 : bf16[1,2,32] = linear(%x_bf16, %w_bf16)
+  %r_bf16 : bf16[1,2,2,16] = reshape[shape=[1,2,2,16]](%a_bf16)
+  %t_bf16 : bf16[1,2,2,16] = transpose[perm=[0,2,1,3]](%r_bf16)
+  %o_bf16 : bf16[1,2,2,16] = fused_attention[causal=true, scale=0.25](%t_bf16, %t_bf16, %t_bf16)
+  %o : f32[1,2,2,16] = cast[dtype=f32](%o_bf16)
   return %o
 }
 """
+
+
+def test_allow_fp32_to_bf16_is_the_bf16_mode() -> None:
+    from npuc.passes.precision import check_mode
+
+    assert check_mode("allow_fp32_to_bf16") == "allow_mix_precision_bf16"
+    assert str(_decode("allow_fp32_to_bf16")[0]) == str(_decode("allow_mix_precision_bf16")[0])
+    with pytest.raises(NpucError) as info:
+        check_mode("allow_fp32_to_bf8")
+    assert "allow_fp32_to_bf16" in str(info.value.hint)  # the hint lists it

@@ -106,16 +106,19 @@ def _tol(r: Run) -> float:
 
 
 def test_compute_dtypes(run: Run) -> None:
-    # matrix products in the half dtype; norms, RoPE tables and the f32 KV cache's readers as they were
+    # matrix products and attention in the half dtype, over a KV cache in that dtype; norms and
+    # RoPE tables as they were
     want = DType.f16 if run.dtype == torch.float16 else DType.bf16
+    states = [t for t in run.sess.tensors if t.region == "state"]
+    assert states and all(t.dtype == want for t in states)
     for name, prog in run.sess.programs.items():
         dt = {st.opdef.name: run.sess.tensors[st.outputs[0]].dtype for st in prog.steps}
         assert dt["linear"] == want and dt["rms_norm"] == DType.f32, name
         ropes = [st for st in prog.steps if st.opdef.name == "rope_lut"]
         assert ropes and all(run.sess.tensors[st.inputs[2]].dtype == DType.f32 for st in ropes)
         attention = [st for st in prog.steps if "attention" in st.opdef.name]
-        assert attention and all(run.sess.tensors[st.outputs[0]].dtype == (want if name == "prefill" else DType.f32)
-                                 for st in attention), name  # decode's reads the f32 KV cache
+        assert attention and all(run.sess.tensors[i].dtype == want for st in attention
+                                 for i in (*st.inputs[:3], st.outputs[0])), name  # decode's reads the half cache
         for st in (st for st in prog.steps if st.opdef.name == "fused_moe"):  # experts converted, router f32
             assert run.sess.tensors[st.outputs[0]].dtype == want and run.sess.tensors[st.inputs[1]].dtype == DType.f32
 

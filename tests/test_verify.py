@@ -169,6 +169,9 @@ def _broken(op: str, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], OpDef]:
         return [t * 1.5 + 0.25 for t in original.run(xs, attrs)]
 
     monkeypatch.setitem(REGISTRY, op, dataclasses.replace(original, kernel=wrong, out_kernel=None))
+    from npuc.runtime import launch
+
+    monkeypatch.delitem(launch._NATIVE, op, raising=False)  # the runtime's native form of it, too
     return lambda name: originals.get(name) or get_op(name)
 
 

@@ -1,0 +1,338 @@
+"""Load-time kernel choice: each step of a program becomes one call with its operands bound.
+
+The session binds every tensor to its planned bytes once; this module then turns each
+step into a zero-argument callable, so that a run is a flat loop of calls with nothing
+left to decide. Per step, the first that applies:
+
+    view    a reshape / transpose / slice whose output the planner placed on its operand's
+            bytes (backend/lower.py is_view): nothing to run, the step is dropped
+    native  linear with few rows, on the CPU: runtime/native's GEMV, which reads each
+            weight once, as stored (layout nk or kn, f32 or bf16), and computes only the
+            `valid_rows` of a tile-padded input; decode's small ops (rms_norm, rope_lut,
+            kv_write, cached_attention, swiglu, add, f32/bf16 cast) in one native call each
+    prepacked  linear with many rows (prefill): oneDNN over weights packed at load
+    out     the op's out-kernel (ir/out_kernels.py), falling back to the reference kernel
+            for an operand combination it declines
+    ref     the reference kernel, its result copied into the planned slot
+
+Everything a native call needs (pointers, sizes, strides, thread count) is computed here,
+once; the weights stay in the memory-mapped file, unpacked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from npuc.errors import EXIT_USAGE, NpucError
+from npuc.ir import DType, OpDef, TensorType
+
+Launcher = Callable[[], Any]
+
+# At most this many rows (tokens) go to the GEMV kernel; more are a GEMM (prepacked, or torch's).
+GEMV_MAX_ROWS = 8
+_VIEW_OPS = frozenset({"reshape", "transpose", "slice"})
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One step with its operands bound to their planned views."""
+    opdef: OpDef
+    attrs: Mapping[str, Any]
+    ins: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    ws: torch.Tensor | None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+
+
+def is_noop_view(b: Bound) -> bool:
+    """The output already is the operand's bytes: running the step would copy nothing."""
+    if b.opdef.name not in _VIEW_OPS or len(b.ins) != 1 or len(b.outs) != 1:
+        return False
+    x, out = b.ins[0], b.outs[0]
+    if not _same_bytes(x, out) or not x.is_contiguous():
+        return False
+    try:  # the view itself, no data read: what the step would return
+        r = b.opdef.run([x], b.attrs)[0]
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return False  # attributes that do not fit (a damaged file): the step runs, and says so
+    return _same_bytes(r, out) and tuple(r.shape) == tuple(out.shape) and r.is_contiguous()
+
+
+def _declared_right(b: Bound) -> bool:
+    """Whether the step's output slots are what the op's shape rule makes of its operands.
+    A native kernel writes by pointer, trusting the sizes: a damaged or hostile .om that
+    declares a slot too small must not turn into a write past it (torch's kernels, which
+    check, run such a step and refuse it)."""
+    try:
+        ins = [TensorType(tuple(t.shape), DType.from_torch(t.dtype)) for t in b.ins]
+        want = b.opdef.infer_types(ins, b.attrs)
+    except Exception:  # noqa: BLE001 - a shape rule's refusal, or a dtype npuc does not know
+        return False
+    return [(t.shape, t.dtype) for t in want] == [(tuple(o.shape), DType.from_torch(o.dtype)) for o in b.outs]
+
+
+def _generic(b: Bound) -> Launcher:
+    od, attrs, ins, outs, ws = b.opdef, b.attrs, b.ins, b.outs, b.ws
+    ok = od.out_kernel
+
+    def reference() -> None:
+        for dst, r in zip(outs, od.run(ins, attrs), strict=True):
+            if r.data_ptr() != dst.data_ptr():  # a view or an in-place write is there already
+                dst.copy_(r)
+
+    if ok is None:
+        return reference
+
+    def out_kernel() -> None:
+        if not ok(ins, attrs, outs, ws):
+            reference()
+
+    return out_kernel
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    x, w = b.ins[0], b.ins[1]
+    bias = b.ins[2] if len(b.ins) > 2 else None
+    y = b.outs[0]
+    layout = b.attrs["weight_layout"]
+    if x.device.type != "cpu" or x.dim() < 1 or w.dim() != 2 or not all(
+            t.is_contiguous() for t in (x, w, y) + ((bias,) if bias is not None else ())):
+        return None
+    n, k = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
+    if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):
+        return None
+    # Rows: the leading dims flattened, or per leading index the valid rows of a padded axis -2.
+    s = x.shape[-2] if x.dim() >= 2 else 1
+    lead = math.prod(x.shape[:-2]) if x.dim() >= 2 else 1
+    valid = b.attrs.get("valid_rows")
+    valid = s if valid is None or not 1 <= valid <= s else valid
+    if valid == s:
+        calls = [(0, lead * s)]  # (first row, rows)
+    else:
+        calls = [(i * s, valid) for i in range(lead)]
+    if sum(r for _, r in calls) > GEMV_MAX_ROWS:
+        return None
+    fs = []
+    if x.dtype == w.dtype == y.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+        for row, rows in calls:
+            fs.append(functools.partial(lib.npuc_linear_f32, x.data_ptr() + row * k * 4, rows, k, w.data_ptr(),
+                                        int(layout == "kn"), n, k, _ptr(bias), y.data_ptr() + row * n * 4, n,
+                                        ls.threads))
+    elif w.dtype == torch.bfloat16 and layout == "nk" and {x.dtype, y.dtype} <= {torch.float32, torch.bfloat16} \
+            and (bias is None or bias.dtype in (torch.float32, torch.bfloat16)):
+        xb, yb = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
+        ws = ls.scratch(2 * max(r for _, r in calls) * k)
+        for row, rows in calls:
+            fs.append(functools.partial(lib.npuc_linear_bf16, x.data_ptr() + row * k * x.element_size(), xb, rows,
+                                        k, w.data_ptr(), n, k, _ptr(bias),
+                                        int(bias is not None and bias.dtype == torch.bfloat16),
+                                        y.data_ptr() + row * n * y.element_size(), yb, n, ws.data_ptr(),
+                                        ls.threads))
+    else:
+        return None
+    if len(fs) == 1:
+        return fs[0]
+
+    def run_all() -> None:
+        for f in fs:
+            f()
+
+    return run_all
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _contiguous(*ts: torch.Tensor | None) -> bool:
+    return all(t is None or (t.is_contiguous() and t.device.type == "cpu") for t in ts)
+
+
+def _checked(f: Callable[[], int], b: Bound) -> Launcher:
+    """A native call that refuses a position outside its table or cache (returns non-zero):
+    the same refusal as the reference kernel's, never a read outside the bytes."""
+    def run() -> None:
+        if f():
+            raise NpucError("NPUC-E0108", f"{b.opdef.name}: a position lies outside the table or cache it "
+                            "indexes", "positions run from 0 to --max_seq_len - 1", exit_code=EXIT_USAGE)
+
+    return run
+
+
+def _rows(x: torch.Tensor, axis: int) -> tuple[int, int]:
+    ax = axis % x.dim()
+    return math.prod(x.shape[:ax]), math.prod(x.shape[ax:])
+
+
+def _native_rms_norm(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    x, scale, out = b.ins[0], b.ins[1], b.outs[0]
+    if x.dim() == 0 or not _contiguous(x, scale, out) or {x.dtype, scale.dtype, out.dtype} != {F32}:
+        return None
+    rows, d = _rows(x, b.attrs["axis"])
+    if scale.numel() != d or tuple(scale.shape) != tuple(x.shape[x.dim() - scale.dim():]):
+        return None  # a scale that broadcasts: the out-kernel's case
+    return functools.partial(lib.npuc_rms_norm_f32, x.data_ptr(), scale.data_ptr(), b.attrs["eps"], out.data_ptr(),
+                             rows, d)
+
+
+_ROPE_LAYOUTS = {"half": 0, "interleaved": 1, "deinterleave": 2}
+
+
+def _native_rope(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    x, pos, cos_t, sin_t = b.ins
+    out = b.outs[0]
+    layout = _ROPE_LAYOUTS.get(b.attrs["layout"])
+    if layout is None or x.dim() < 2 or not _contiguous(x, pos, cos_t, sin_t, out) \
+            or {x.dtype, cos_t.dtype, sin_t.dtype, out.dtype} != {F32} or pos.dtype != torch.int64:
+        return None
+    s, d = x.shape[-2], x.shape[-1]
+    if pos.dim() != 1 or pos.shape[0] != s or cos_t.dim() != 2 or cos_t.shape != sin_t.shape \
+            or 2 * cos_t.shape[1] > d:
+        return None
+    return _checked(functools.partial(lib.npuc_rope_f32, x.data_ptr(), pos.data_ptr(), cos_t.data_ptr(),
+                                      sin_t.data_ptr(), out.data_ptr(), x.numel() // max(s * d, 1), s, d,
+                                      cos_t.shape[1], cos_t.shape[0], layout), b)
+
+
+def _native_kv_write(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    cache, new, pos = b.ins
+    if cache.dim() != 4 or new.dim() != 4 or not _contiguous(cache, new, pos) or pos.dtype != torch.int64 \
+            or {cache.dtype, new.dtype} - {F32, BF16} or b.outs[0].data_ptr() != cache.data_ptr() \
+            or cache.shape[:2] != new.shape[:2] or cache.shape[3] != new.shape[3] or tuple(pos.shape) != (new.shape[2],):
+        return None
+    bb, h, length, d = cache.shape
+    return _checked(functools.partial(lib.npuc_kv_write, cache.data_ptr(), int(cache.dtype == BF16), new.data_ptr(),
+                                      int(new.dtype == BF16), pos.data_ptr(), bb, h, length, new.shape[2], d), b)
+
+
+def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    q, kc, vc, pos = b.ins
+    out = b.outs[0]
+    if not _contiguous(q, kc, vc, pos, out) or pos.dtype != torch.int64 or kc.dtype != vc.dtype \
+            or {q.dtype, kc.dtype, out.dtype} - {F32, BF16} or q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
+        return None
+    bb, hq, s, d = q.shape
+    hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
+    if kc.shape[0] != bb or vc.shape[:3] != kc.shape[:3] or kc.shape[3] != d or hq % hkv \
+            or tuple(out.shape) != (bb, hq, s, dv) or tuple(pos.shape) != (s,):
+        return None
+    ws = ls.scratch(ls.threads * (length + d + dv))
+    return _checked(functools.partial(lib.npuc_cached_attention, q.data_ptr(), int(q.dtype == BF16), kc.data_ptr(),
+                                      vc.data_ptr(), int(kc.dtype == BF16), pos.data_ptr(), out.data_ptr(),
+                                      int(out.dtype == BF16), bb, hq, s, d, hkv, length, dv, b.attrs["scale"],
+                                      ws.data_ptr(), ls.threads), b)
+
+
+# Past this many elements torch's vectorised, threaded element-wise kernels win (prefill);
+# below it one native call saves their dispatch (decode).
+ELEMENTWISE_MAX = 1 << 15
+
+
+def _native_elementwise(fn: str) -> Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]:
+    def build(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+        x, y, out = b.ins[0], b.ins[1], b.outs[0]
+        if not _contiguous(x, y, out) or {x.dtype, y.dtype, out.dtype} != {F32} \
+                or not x.shape == y.shape == out.shape or out.numel() > ELEMENTWISE_MAX:
+            return None  # broadcasting, or a prefill's size: the out-kernel's case
+        return functools.partial(getattr(lib, fn), x.data_ptr(), y.data_ptr(), out.data_ptr(), out.numel())
+
+    return build
+
+
+def _prepacked_linear(b: Bound, ls: Launchers) -> Launcher | None:
+    """A product with many rows (prefill): oneDNN's GEMM over a copy of the weight packed
+    at load into its blocked layout for this host (the packed bytes are this process's,
+    never the .om's). The result is copied into the planned slot. bf16 weights are packed
+    as bf16 where the CPU computes in bf16 (oneDNN says so), else widened to f32 once, at
+    load: an f32 GEMM beats any emulated bf16 one, and rounds the result once, as a bf16
+    kernel that accumulates in f32 does."""
+    x, w, y = b.ins[0], b.ins[1], b.outs[0]
+    bias = b.ins[2] if len(b.ins) > 2 else None
+    if not _contiguous(x, w, y, bias) or x.dim() < 2 or w.dim() != 2 \
+            or not ({x.dtype, w.dtype, y.dtype} == {F32} or (w.dtype == BF16 and {x.dtype, y.dtype} <= {F32, BF16})) \
+            or (bias is not None and bias.dtype not in (F32, BF16)):
+        return None
+    wt = w if b.attrs["weight_layout"] == "nk" else w.t().contiguous()
+    n, k = wt.shape
+    rows = x.numel() // max(k, 1)
+    if x.shape[-1] != k or y.shape[-1] != n or rows <= GEMV_MAX_ROWS:
+        return None
+    compute = BF16 if w.dtype == BF16 and torch.ops.mkldnn._is_mkldnn_bf16_supported() else F32
+    packed = torch.ops.mkldnn._reorder_linear_weight(wt.to(compute), rows)
+    ls.packed_bytes += wt.numel() * compute.itemsize
+    bias_c = bias.to(compute) if bias is not None else None
+    x2, y2 = x.view(rows, k), y.view(rows, n)
+    linear = torch.ops.mkldnn._linear_pointwise
+
+    def run() -> None:
+        y2.copy_(linear(x2.to(compute), packed, bias_c, "none", [], ""))
+
+    return run
+
+
+def _native_cast(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    x, out = b.ins[0], b.outs[0]
+    if not _contiguous(x, out) or {x.dtype, out.dtype} - {F32, BF16} or x.shape != out.shape \
+            or out.numel() > ELEMENTWISE_MAX:
+        return None
+    return functools.partial(lib.npuc_cast, x.data_ptr(), int(x.dtype == BF16), out.data_ptr(),
+                             int(out.dtype == BF16), out.numel())
+
+
+class Launchers:
+    """Per-session: picks each step's kernel; owns the native kernels' shared scratch and
+    the prepacked weights."""
+
+    def __init__(self, lib: ctypes.CDLL | None, threads: int | None = None, prepack: bool = False) -> None:
+        self.lib = lib
+        self.threads = threads or torch.get_num_threads()
+        self.prepack = prepack and torch.backends.mkldnn.is_available()
+        self.packed_bytes = 0
+        self._scratch: list[torch.Tensor] = []  # kept alive: native calls hold their pointers
+        self.kinds: dict[str, int] = {}
+
+    def scratch(self, floats: int) -> torch.Tensor:
+        """Scratch of at least `floats` f32, shared by every step: steps run one at a time."""
+        if not self._scratch or self._scratch[-1].numel() < floats:
+            self._scratch.append(torch.empty(max(floats, 1), dtype=torch.float32))
+        return self._scratch[-1]
+
+    def choose(self, b: Bound) -> Launcher | None:
+        """The step's launcher, or None where it has nothing to do."""
+        kind, f = self._choose(b)
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        return f
+
+    def _choose(self, b: Bound) -> tuple[str, Launcher | None]:
+        if is_noop_view(b):
+            return "view", None
+        build = _NATIVE.get(b.opdef.name)
+        if build is not None and self.lib is not None and _declared_right(b):
+            f = build(b, self.lib, self)
+            if f is not None:
+                return "native", f
+        if b.opdef.name == "linear" and self.prepack:
+            f = _prepacked_linear(b, self)
+            if f is not None:
+                return "prepacked", f
+        return ("out" if b.opdef.out_kernel is not None else "ref"), _generic(b)
+
+
+_NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] = {
+    "linear": _native_linear, "rms_norm": _native_rms_norm, "rope_lut": _native_rope, "kv_write": _native_kv_write,
+    "cached_attention": _native_cached_attention, "swiglu": _native_elementwise("npuc_swiglu_f32"),
+    "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast,
+}

@@ -1,0 +1,140 @@
+"""Native CPU kernels: kernels.c, compiled for this host the first time a model loads.
+
+The source ships with npuc and is built with the system C compiler (`$CC`, else `cc`),
+`-O3 -march=native -fopenmp`, into a per-user cache keyed by the source, the flags, the
+compiler and the CPU's feature flags; later loads reuse the library. Code tuned to the
+host's ISA belongs here, at load time, never in the `.om` (which stays portable). Where
+no compiler works, or `NPUC_NATIVE=0`, `library()` is None and the runtime runs its
+torch kernels: slower, never wrong.
+
+    NPUC_NATIVE=0              never build or load the library
+    NPUC_CACHE_DIR=path        where the built library is kept (default ~/.cache/npuc)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp first: the kernels then share its thread pool)
+
+log = logging.getLogger("npuc")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+ABI = 1
+_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno")
+_LIBS = ("-lm", "-lpthread")
+# Tried in order: the host's ISA with threads, then without -march (an old or cross compiler),
+# then without OpenMP (a compiler without it: the kernels run on one thread).
+_VARIANTS = (("-march=native",), ())
+
+I64 = ctypes.c_int64
+INT = ctypes.c_int
+PTR = ctypes.c_void_p
+FLOAT = ctypes.c_float
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return cc.split()[0] if cc else None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("NPUC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "npuc")
+    return Path(base) / "kernels"
+
+
+def _build(cc: str, out: Path) -> list[str] | None:
+    """Compile into `out` atomically (a temporary file renamed into place); the flags that
+    worked, or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for extra in _VARIANTS:
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *_FLAGS, *extra, "-o", tmp, str(SOURCE), *_LIBS]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                os.replace(tmp, out)
+                return list(extra)
+            log.debug("native kernels: %s failed: %s", " ".join(cmd), r.stderr[-500:])
+        except (OSError, subprocess.SubprocessError) as e:
+            log.debug("native kernels: %s failed: %s", " ".join(cmd), e)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.npuc_kernels_abi.restype = INT
+    lib.npuc_kernels_abi.argtypes = []
+    lib.npuc_linear_f32.argtypes = [PTR, I64, I64, PTR, INT, I64, I64, PTR, PTR, I64, INT]
+    lib.npuc_linear_bf16.argtypes = [PTR, INT, I64, I64, PTR, I64, I64, PTR, INT, PTR, INT, I64, PTR, INT]
+    lib.npuc_rms_norm_f32.argtypes = [PTR, PTR, FLOAT, PTR, I64, I64]
+    lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT]
+    lib.npuc_kv_write.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, I64, I64]
+    lib.npuc_cached_attention.argtypes = [PTR, INT, PTR, PTR, INT, PTR, PTR, INT, I64, I64, I64, I64, I64, I64, I64,
+                                          FLOAT, PTR, INT]
+    lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64]
+    lib.npuc_add_f32.argtypes = [PTR, PTR, PTR, I64]
+    lib.npuc_cast.argtypes = [PTR, INT, PTR, INT, I64]
+    for name in ("npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32", "npuc_rope_f32", "npuc_kv_write",
+                 "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast"):
+        getattr(lib, name).restype = INT
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built first if need be; None where they cannot be had."""
+    if os.environ.get("NPUC_NATIVE", "1") == "0" or platform.system() == "Windows":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: the runtime uses its torch kernels (set CC to use native ones)")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), repr(_VARIANTS), version,
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
+    path = cache_dir() / f"kernels-{key}.so"
+    if not path.is_file():
+        try:
+            flags = _build(cc, path)
+        except OSError as e:  # the cache is not writable: build into a private temporary folder
+            log.debug("native kernels: cannot write %s (%s)", path.parent, e)
+            path = Path(tempfile.mkdtemp(prefix="npuc-kernels-")) / path.name
+            flags = _build(cc, path)
+        if flags is None:
+            log.info("the native kernels did not compile with %s: the runtime uses its torch kernels", cc)
+            return None
+        if "-fopenmp" not in flags:
+            log.info("native kernels built without OpenMP: they run on one thread")
+    try:
+        lib = _declare(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as e:
+        log.info("the native kernels did not load (%s): the runtime uses its torch kernels", e)
+        return None
+    if lib.npuc_kernels_abi() != ABI:
+        return None
+    return lib

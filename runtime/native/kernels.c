@@ -1,0 +1,587 @@
+/* npuc's native CPU kernels, compiled for the host at load time (runtime/native/__init__.py).
+ *
+ * Products with few rows (decode's GEMV) are about bytes: every weight is read exactly
+ * once per call, N is split across threads in contiguous slices (M is too small to
+ * amortise packing), and four weight rows are reduced at a time so that four streams
+ * are in flight. Accumulation is f32; bf16 is widened on load (a 16-bit shift).
+ *
+ *   y[m, n] = sum_k x[m, k] * w(n, k) + bias[n]    w(n, k) = W[n*K + k]  (layout nk)
+ *                                                           = W[k*N + n]  (layout kn)
+ *
+ * Threads: a small pool of our own (below), not OpenMP. A call is cut into chunks that
+ * the caller and the pool's threads claim from one atomic counter; the caller waits only
+ * for chunks already claimed, never for a thread to arrive. On a busy machine, where a
+ * worker may not be scheduled for milliseconds, the caller then simply does the work
+ * itself: an OpenMP region's closing barrier would wait for the sleeper, every call.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
+#include <stddef.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NPUC_AVX2 1
+#endif
+
+typedef int64_t i64;
+typedef uint16_t bf16;
+
+/* Prefetch about this many bytes ahead: the next rows of a slice lie end to end, one
+ * stream that the hardware prefetcher, seeing four interleaved, picks up late. */
+#define PREFETCH_BYTES 32768
+#ifndef KN_PREFETCH_ROWS
+#define KN_PREFETCH_ROWS 8
+#endif
+
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float load_any(const void *p, int bf, i64 i) {
+    return bf ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_any(void *p, int bf, i64 i, float v) {
+    if (bf) ((bf16 *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* Below ~64 KiB of weights a hand-off costs more than the second thread saves. */
+static inline int threads_for(i64 bytes, int nt) { return bytes < (64 << 10) ? 1 : (nt < 1 ? 1 : nt); }
+
+/* ---- the thread pool ----------------------------------------------------------------------
+ *
+ * One job at a time, posted by the (single) calling thread. `state` packs the job's
+ * generation (high 32 bits) and its next unclaimed chunk (low 32 bits): a thread claims
+ * chunk c of generation g by a compare-and-swap from (g, c) to (g, c + 1), so a chunk runs
+ * once, and only while its job is current. The caller counts finished chunks and returns
+ * when all are done. Idle workers spin for SPIN_NS (decode's kernels come microseconds
+ * apart), then sleep on a condition variable until the next job. */
+
+#define MAX_WORKERS 63
+#define SPIN_NS 200000
+
+typedef void (*chunk_fn)(const void *ctx, i64 chunk, int tid);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int workers;                      /* started so far */
+    _Atomic uint64_t state;           /* generation << 32 | next chunk */
+    _Atomic(chunk_fn) fn;
+    _Atomic(const void *) ctx;
+    _Atomic i64 chunks;
+    _Atomic int allowed;              /* workers 1..allowed-1 may join this job */
+    _Atomic i64 done;
+    _Atomic int sleeping;
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static i64 now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (i64)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Claim and run chunks of the current job until none is left; whether any ran. */
+static int run_chunks(int tid) {
+    int ran = 0;
+    for (;;) {
+        uint64_t s = atomic_load_explicit(&pool.state, memory_order_acquire);
+        i64 n = atomic_load_explicit(&pool.chunks, memory_order_relaxed);
+        chunk_fn fn = atomic_load_explicit(&pool.fn, memory_order_relaxed);
+        const void *ctx = atomic_load_explicit(&pool.ctx, memory_order_relaxed);
+        if ((i64)(s & 0xffffffffu) >= n || tid >= atomic_load_explicit(&pool.allowed, memory_order_relaxed))
+            return ran;
+        /* the fields read above belong to generation s >> 32 if this claim succeeds: a new
+         * job is posted only once every chunk of the current one is claimed and done */
+        if (atomic_compare_exchange_weak_explicit(&pool.state, &s, s + 1, memory_order_acq_rel,
+                                                  memory_order_relaxed)) {
+            fn(ctx, (i64)(s & 0xffffffffu), tid);
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            ran = 1;
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    for (;;) {
+        run_chunks(tid);
+        uint64_t idle = atomic_load(&pool.state) >> 32;
+        i64 until = now_ns() + SPIN_NS;
+        int spins = 0;
+        while ((atomic_load_explicit(&pool.state, memory_order_relaxed) >> 32) == idle) {
+            cpu_relax();
+            if (++spins % 256 == 0 && now_ns() > until) {
+                pthread_mutex_lock(&pool.mu);
+                atomic_fetch_add(&pool.sleeping, 1);
+                while ((atomic_load(&pool.state) >> 32) == idle) pthread_cond_wait(&pool.cv, &pool.mu);
+                atomic_fetch_sub(&pool.sleeping, 1);
+                pthread_mutex_unlock(&pool.mu);
+                break;
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Run fn(ctx, c, tid) for c in 0..chunks-1 on up to nt threads (the caller is tid 0). */
+static void parallel(chunk_fn fn, const void *ctx, i64 chunks, int nt) {
+    if (nt > MAX_WORKERS + 1) nt = MAX_WORKERS + 1;
+    if (nt > chunks) nt = (int)chunks;
+    while (pool.workers < nt - 1) { /* started on first need; a failed start leaves fewer */
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int ok = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.workers + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        pool.workers++;
+    }
+    if (nt <= 1 || pool.workers == 0) {
+        for (i64 c = 0; c < chunks; c++) fn(ctx, c, 0);
+        return;
+    }
+    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&pool.ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&pool.chunks, chunks, memory_order_relaxed);
+    atomic_store_explicit(&pool.allowed, nt, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    uint64_t gen = (atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, gen << 32); /* seq_cst: pairs with a worker's check before it sleeps */
+    if (atomic_load(&pool.sleeping)) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    run_chunks(0);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) cpu_relax();
+}
+
+/* Chunks of `align`-multiples over 0..n: about four per thread, so a late thread's share
+ * is taken by the others. */
+static inline i64 chunk_size(i64 n, i64 align, int nt) {
+    i64 per = (n + 4 * nt - 1) / (4 * nt);
+    per = (per + align - 1) / align * align;
+    return per < align ? align : per;
+}
+
+static inline i64 prefetch_rows(i64 K, i64 size) {
+    i64 rows = PREFETCH_BYTES / (K * size);
+    return rows < 4 ? 4 : rows;
+}
+
+#ifdef NPUC_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+static inline __m256 load8_bf16(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* ---- f32 weights, layout nk -------------------------------------------------------------- */
+
+/* out[0..3] = rows w, w+K, w+2K, w+3K dotted with x. */
+static void dot4_f32(const float *x, const float *w, i64 K, float *out) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    const i64 pf = prefetch_rows(K, 4) * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), x0, a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), x1, b0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), x0, a1);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), x1, b1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), x0, a2);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k + 8), x1, b2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), x0, a3);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k + 8), x1, b3);
+    }
+    s0 = hsum(_mm256_add_ps(a0, b0)); s1 = hsum(_mm256_add_ps(a1, b1));
+    s2 = hsum(_mm256_add_ps(a2, b2)); s3 = hsum(_mm256_add_ps(a3, b3));
+#endif
+    for (; k < K; k++) {
+        float xv = x[k];
+        s0 += w0[k] * xv; s1 += w1[k] * xv; s2 += w2[k] * xv; s3 += w3[k] * xv;
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+
+static float dot1_f32(const float *x, const float *w, i64 K) {
+    float s = 0;
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    __m256 a = _mm256_setzero_ps(), b = a;
+    for (; k + 16 <= K; k += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), b);
+    }
+    s = hsum(_mm256_add_ps(a, b));
+#endif
+    for (; k < K; k++) s += w[k] * x[k];
+    return s;
+}
+
+/* Rows [lo, hi) for every x row: four weight rows stay in cache while the x rows go by. */
+static void nk_f32(const float *x, i64 M, i64 xs, const float *w, i64 K, i64 lo, i64 hi, float *y, i64 ys) {
+    i64 n = lo;
+    for (; n + 4 <= hi; n += 4)
+        for (i64 m = 0; m < M; m++) dot4_f32(x + m * xs, w + n * K, K, y + m * ys + n);
+    for (; n < hi; n++)
+        for (i64 m = 0; m < M; m++) y[m * ys + n] = dot1_f32(x + m * xs, w + n * K, K);
+}
+
+/* ---- f32 weights, layout kn: 64 output columns in registers, x[k] broadcast ------------- */
+
+static void kn_f32(const float *x, i64 M, i64 xs, const float *w, i64 K, i64 N, i64 lo, i64 hi,
+                   float *y, i64 ys) {
+    for (i64 m = 0; m < M; m++) {
+        const float *xm = x + m * xs;
+        float *ym = y + m * ys;
+        i64 n = lo;
+#ifdef NPUC_AVX2
+        for (; n + 64 <= hi; n += 64) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (i64 k = 0; k < K; k++) {
+                __m256 xv = _mm256_broadcast_ss(xm + k);
+                const float *row = w + k * N + n;
+                /* rows lie N apart: a stride the hardware prefetcher loses at each page */
+                const float *ahead = row + KN_PREFETCH_ROWS * N;
+                PREFETCH(ahead); PREFETCH(ahead + 16); PREFETCH(ahead + 32); PREFETCH(ahead + 48);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * j), xv, a[j]);
+            }
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(ym + n + 8 * j, a[j]);
+        }
+        for (; n + 8 <= hi; n += 8) {
+            __m256 a = _mm256_setzero_ps();
+            for (i64 k = 0; k < K; k++)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k * N + n), _mm256_broadcast_ss(xm + k), a);
+            _mm256_storeu_ps(ym + n, a);
+        }
+#endif
+        for (; n < hi; n++) {
+            float s = 0;
+            for (i64 k = 0; k < K; k++) s += w[k * N + n] * xm[k];
+            ym[n] = s;
+        }
+    }
+}
+
+/* ---- bf16 weights, layout nk ------------------------------------------------------------- */
+
+/* x deinterleaved per block of 16 (its 8 even elements, then its 8 odd ones): one 256-bit
+ * load holds 16 bf16 weights, a shift gives the even ones as f32 and a mask the odd ones. */
+static void deinterleave16(const float *x, i64 K, float *xd) {
+    i64 k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int j = 0; j < 8; j++) {
+            xd[k + j] = x[k + 2 * j];
+            xd[k + 8 + j] = x[k + 2 * j + 1];
+        }
+    for (; k < K; k++) xd[k] = x[k];
+}
+
+static void dot4_bf16(const float *xd, const float *x, const bf16 *w, i64 K, float *out) {
+    const bf16 *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    const i64 pf = prefetch_rows(K, 2) * K;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#define NPUC_BF16_ROW(v, a, b)                                                                  \
+    a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, a);                  \
+    b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), xo, b);
+    for (; k + 16 <= K; k += 16) {
+        __m256 xe = _mm256_loadu_ps(xd + k), xo = _mm256_loadu_ps(xd + k + 8);
+        if ((k & 31) == 0) { PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf); }
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + k));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + k));
+        __m256i v2 = _mm256_loadu_si256((const __m256i *)(w2 + k));
+        __m256i v3 = _mm256_loadu_si256((const __m256i *)(w3 + k));
+        NPUC_BF16_ROW(v0, a0, b0) NPUC_BF16_ROW(v1, a1, b1) NPUC_BF16_ROW(v2, a2, b2) NPUC_BF16_ROW(v3, a3, b3)
+    }
+#undef NPUC_BF16_ROW
+    s0 = hsum(_mm256_add_ps(a0, b0)); s1 = hsum(_mm256_add_ps(a1, b1));
+    s2 = hsum(_mm256_add_ps(a2, b2)); s3 = hsum(_mm256_add_ps(a3, b3));
+#else
+    (void)xd;
+#endif
+    for (; k < K; k++) {
+        float xv = x[k];
+        s0 += bf16_to_f32(w0[k]) * xv; s1 += bf16_to_f32(w1[k]) * xv;
+        s2 += bf16_to_f32(w2[k]) * xv; s3 += bf16_to_f32(w3[k]) * xv;
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+
+/* ---- entry points ------------------------------------------------------------------------ */
+
+static void add_bias(float *y, i64 M, i64 ys, i64 lo, i64 hi, const float *bias) {
+    if (!bias) return;
+    for (i64 m = 0; m < M; m++)
+        for (i64 n = lo; n < hi; n++) y[m * ys + n] += bias[n];
+}
+
+/* f32: x is M rows of K (row stride xs), y M rows of N (row stride ys); bias may be NULL. */
+typedef struct {
+    const float *x; i64 M, xs; const float *w; int kn; i64 N, K; const float *bias; float *y; i64 ys, per;
+} linear_f32_job;
+
+static void linear_f32_chunk(const void *p, i64 c, int tid) {
+    const linear_f32_job *j = p;
+    (void)tid;
+    i64 lo = c * j->per, hi = lo + j->per < j->N ? lo + j->per : j->N;
+    if (j->kn) kn_f32(j->x, j->M, j->xs, j->w, j->K, j->N, lo, hi, j->y, j->ys);
+    else nk_f32(j->x, j->M, j->xs, j->w, j->K, lo, hi, j->y, j->ys);
+    add_bias(j->y, j->M, j->ys, lo, hi, j->bias);
+}
+
+int npuc_linear_f32(const float *x, i64 M, i64 xs, const float *w, int kn, i64 N, i64 K, const float *bias,
+                    float *y, i64 ys, int nt) {
+    nt = threads_for(N * K * 4, nt);
+    linear_f32_job j = {x, M, xs, w, kn, N, K, bias, y, ys, chunk_size(N, kn ? 64 : 16, nt)};
+    parallel(linear_f32_chunk, &j, (N + j.per - 1) / j.per, nt);
+    return 0;
+}
+
+/* bf16 weights (layout nk). x, bias and y are each f32 (flag 0) or bf16 (flag 1); the sum
+ * is f32, rounded once into a bf16 y. `scratch` holds 2*M*K floats (x widened, then
+ * deinterleaved). */
+typedef struct {
+    const float *xf, *xd; i64 M, K, N; const bf16 *w; const void *bias; int biasbf; void *y; int ybf; i64 ys, per;
+} linear_bf16_job;
+
+static void linear_bf16_chunk(const void *p, i64 c, int tid) {
+    const linear_bf16_job *j = p;
+    (void)tid;
+    i64 lo = c * j->per, hi = lo + j->per < j->N ? lo + j->per : j->N, K = j->K;
+    for (i64 n = lo; n < hi; n += 4) {
+        i64 rows = hi - n < 4 ? hi - n : 4;
+        for (i64 m = 0; m < j->M; m++) {
+            float acc[4];
+            if (rows == 4) dot4_bf16(j->xd + m * K, j->xf + m * K, j->w + n * K, K, acc);
+            else
+                for (i64 r = 0; r < rows; r++) {
+                    float s = 0;
+                    for (i64 k = 0; k < K; k++) s += bf16_to_f32(j->w[(n + r) * K + k]) * j->xf[m * K + k];
+                    acc[r] = s;
+                }
+            for (i64 r = 0; r < rows; r++) {
+                float v = acc[r];
+                if (j->bias) v += load_any(j->bias, j->biasbf, n + r);
+                store_any(j->y, j->ybf, m * j->ys + n + r, v);
+            }
+        }
+    }
+}
+
+/* bf16 weights (layout nk). x, bias and y are each f32 (flag 0) or bf16 (flag 1); the sum
+ * is f32, rounded once into a bf16 y. `scratch` holds 2*M*K floats (x widened, then
+ * deinterleaved). */
+int npuc_linear_bf16(const void *x, int xbf, i64 M, i64 xs, const bf16 *w, i64 N, i64 K, const void *bias,
+                     int biasbf, void *y, int ybf, i64 ys, float *scratch, int nt) {
+    float *xf = scratch, *xd = scratch + M * K;
+    for (i64 m = 0; m < M; m++) {
+        for (i64 k = 0; k < K; k++) xf[m * K + k] = load_any(x, xbf, m * xs + k);
+        deinterleave16(xf + m * K, K, xd + m * K);
+    }
+    nt = threads_for(N * K * 2, nt);
+    linear_bf16_job j = {xf, xd, M, K, N, w, bias, biasbf, y, ybf, ys, chunk_size(N, 16, nt)};
+    parallel(linear_bf16_chunk, &j, (N + j.per - 1) / j.per, nt);
+    return 0;
+}
+
+/* ---- decode's small ops: one call each, instead of a handful of torch calls -------------- */
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * scale, rows of D (all f32). */
+int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out, i64 R, i64 D) {
+    for (i64 r = 0; r < R; r++) {
+        const float *xr = x + r * D;
+        float *o = out + r * D;
+        float ss = 0;
+        i64 k = 0;
+#ifdef NPUC_AVX2
+        __m256 a = _mm256_setzero_ps(), b = a;
+        for (; k + 16 <= D; k += 16) {
+            __m256 v0 = _mm256_loadu_ps(xr + k), v1 = _mm256_loadu_ps(xr + k + 8);
+            a = _mm256_fmadd_ps(v0, v0, a);
+            b = _mm256_fmadd_ps(v1, v1, b);
+        }
+        ss = hsum(_mm256_add_ps(a, b));
+#endif
+        for (; k < D; k++) ss += xr[k] * xr[k];
+        float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (k = 0; k < D; k++) o[k] = xr[k] * inv * scale[k];
+    }
+    return 0;
+}
+
+/* Rotary embedding from tables: x [G, S, d] (G = batch x heads), pos [S], tables [T, half].
+ * layout 0 "half": pairs (j, j + half) -> halves; 1 "interleaved": pairs (2j, 2j+1) -> pairs;
+ * 2 "deinterleave": pairs (2j, 2j+1) -> halves. Dims past 2*half are copied. */
+int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const float *sin_t, float *out,
+                  i64 G, i64 S, i64 d, i64 half, i64 T, int layout) {
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= T) return -1;
+    for (i64 g = 0; g < G; g++)
+        for (i64 i = 0; i < S; i++) {
+            const float *xr = x + (g * S + i) * d, *c = cos_t + pos[i] * half, *sn = sin_t + pos[i] * half;
+            float *o = out + (g * S + i) * d;
+            for (i64 j = 0; j < half; j++) {
+                float x1 = layout == 0 ? xr[j] : xr[2 * j], x2 = layout == 0 ? xr[j + half] : xr[2 * j + 1];
+                float re = x1 * c[j] - x2 * sn[j], im = x2 * c[j] + x1 * sn[j];
+                if (layout == 1) { o[2 * j] = re; o[2 * j + 1] = im; }
+                else { o[j] = re; o[j + half] = im; }
+            }
+            for (i64 j = 2 * half; j < d; j++) o[j] = xr[j];
+        }
+    return 0;
+}
+
+/* cache[b, h, pos[i], :] = new[b, h, i, :], in place; caches and rows f32 or bf16. */
+int npuc_kv_write(void *cache, int cbf, const void *src, int sbf, const int64_t *pos, i64 B, i64 H, i64 L,
+                  i64 S, i64 D) {
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= L) return -1;
+    for (i64 bh = 0; bh < B * H; bh++)
+        for (i64 i = 0; i < S; i++) {
+            i64 dst = (bh * L + pos[i]) * D, from = (bh * S + i) * D;
+            if (cbf == sbf) memcpy((char *)cache + dst * (cbf ? 2 : 4), (const char *)src + from * (sbf ? 2 : 4),
+                                   (size_t)D * (cbf ? 2 : 4));
+            else for (i64 k = 0; k < D; k++) store_any(cache, cbf, dst + k, load_any(src, sbf, from + k));
+        }
+    return 0;
+}
+
+/* acc += p * v over n, and a bf16 row dotted with f32 x: attention's inner loops. */
+static void axpy_f32(float p, const float *v, float *acc, i64 n) {
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    __m256 pv = _mm256_set1_ps(p);
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc + k)));
+#endif
+    for (; k < n; k++) acc[k] += p * v[k];
+}
+
+static void axpy_bf16(float p, const bf16 *v, float *acc, i64 n) {
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    __m256 pv = _mm256_set1_ps(p);
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, load8_bf16(v + k), _mm256_loadu_ps(acc + k)));
+#endif
+    for (; k < n; k++) acc[k] += p * bf16_to_f32(v[k]);
+}
+
+static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
+    float s = 0;
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8_bf16(w + k), _mm256_loadu_ps(x + k), a);
+    s = hsum(a);
+#endif
+    for (; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
+    return s;
+}
+
+typedef struct {
+    const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; void *out; int obf;
+    i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
+} attention_job;
+
+static void attention_chunk(const void *p, i64 job, int tid) {
+    const attention_job *j = p;
+    i64 L = j->L, D = j->D, DV = j->DV;
+    float *sc = j->scratch + (i64)tid * (L + D + DV), *qf = sc + L, *acc = qf + D;
+    i64 b = job / (j->HQ * j->S), h = (job / j->S) % j->HQ, i = job % j->S;
+    i64 kvh = b * j->HKV + h / (j->HQ / j->HKV), n = j->pos[i] + 1;
+    for (i64 k = 0; k < D; k++) qf[k] = load_any(j->q, j->qbf, job * D + k);
+    float mx = -INFINITY;
+    for (i64 r = 0; r < n; r++) {
+        i64 row = (kvh * L + r) * D;
+        float s = j->cbf ? dot1_bf16(qf, (const bf16 *)j->kc + row, D) : dot1_f32(qf, (const float *)j->kc + row, D);
+        sc[r] = s * j->scale;
+        if (sc[r] > mx) mx = sc[r];
+    }
+    float sum = 0;
+    for (i64 r = 0; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
+    for (i64 k = 0; k < DV; k++) acc[k] = 0;
+    for (i64 r = 0; r < n; r++) {
+        float pr = sc[r] / sum;
+        i64 row = (kvh * L + r) * DV;
+        if (j->cbf) axpy_bf16(pr, (const bf16 *)j->vc + row, acc, DV);
+        else axpy_f32(pr, (const float *)j->vc + row, acc, DV);
+    }
+    for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, job * DV + k, acc[k]);
+}
+
+/* Causal attention over a KV cache: query i (at pos[i]) attends cached rows 0..pos[i].
+ * q [B, HQ, S, D], caches [B, HKV, L, D] / [B, HKV, L, DV], out [B, HQ, S, DV]; each f32 or
+ * bf16, computed in f32. scratch: nt * (L + D + DV) floats. */
+int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int cbf, const int64_t *pos,
+                          void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, float scale,
+                          float *scratch, int nt) {
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= L) return -1;
+    attention_job j = {q, qbf, kc, vc, cbf, pos, out, obf, HQ, S, D, HKV, L, DV, scale, scratch};
+    parallel(attention_chunk, &j, B * HQ * S, threads_for(B * HKV * L * (D + DV) * (cbf ? 2 : 4) * 4, nt));
+    return 0;
+}
+
+/* out = silu(a) * b, and out = a + b, over n f32. */
+int npuc_swiglu_f32(const float *a, const float *b, float *out, i64 n) {
+    for (i64 i = 0; i < n; i++) out[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+    return 0;
+}
+
+int npuc_add_f32(const float *a, const float *b, float *out, i64 n) {
+    for (i64 i = 0; i < n; i++) out[i] = a[i] + b[i];
+    return 0;
+}
+
+/* dst = src converted, over n values, each f32 or bf16 (round to nearest even). */
+int npuc_cast(const void *src, int sbf, void *dst, int dbf, i64 n) {
+    if (sbf == dbf) memcpy(dst, src, (size_t)n * (sbf ? 2 : 4));
+    else for (i64 i = 0; i < n; i++) store_any(dst, dbf, i, load_any(src, sbf, i));
+    return 0;
+}
+
+int npuc_kernels_abi(void) { return 1; }

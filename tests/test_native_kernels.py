@@ -1,0 +1,416 @@
+"""The runtime's native CPU kernels (runtime/native/kernels.c) against the registry's
+reference kernels, op by op and through whole programs; their build, fallback and
+refusals. Speed is measured in bench/run.py, never here."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from npuc.errors import NpucError
+from npuc.ir import DType, get_op
+from npuc.runtime import Session, native
+from npuc.runtime.launch import GEMV_MAX_ROWS, Bound, Launchers
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the runtime uses its torch kernels (tested below too)")
+
+
+@pytest.fixture(scope="module", params=["host", "portable"])
+def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The kernels as the runtime builds them (-march=native: AVX2 paths on x86), and built
+    for no particular CPU (the plain C paths an ARM host or an old x86 runs)."""
+    if request.param == "host":
+        lib = native.library()
+    else:
+        mp = pytest.MonkeyPatch()
+        mp.setattr(native, "_VARIANTS", ((),))
+        mp.setenv("NPUC_CACHE_DIR", str(tmp_path_factory.mktemp("portable")))
+        native.library.cache_clear()
+        try:
+            lib = native.library()
+        finally:
+            native.library.cache_clear()
+            mp.undo()
+    assert lib is not None, "a C compiler is present, so the native kernels must build"
+    return lib
+
+
+def _launch(lib: Any, name: str, ins: list[torch.Tensor], attrs: dict[str, Any], out_like: list[torch.Tensor]
+            ) -> tuple[str, list[torch.Tensor]]:
+    """Run op `name` through the kernel the runtime would choose; (its kind, outputs)."""
+    od = get_op(name)
+    outs = [torch.full_like(t, float("nan")) if t.is_floating_point() else torch.empty_like(t) for t in out_like]
+    if od.inplace is not None:
+        outs = [ins[od.inplace]]
+    ls = Launchers(lib)
+    b = Bound(od, od.full_attrs(attrs), ins, outs, None)
+    kind, f = ls._choose(b)
+    assert f is not None
+    f()
+    return kind, outs
+
+
+def _ref(name: str, ins: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    return get_op(name).run([t.clone() for t in ins], attrs)[0]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * max(1.0, want.abs().max().item()), rtol=tol)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n, k", [(64, 768), (37, 19), (1030, 2048)])
+def test_linear_f32(lib: Any, layout: str, rows: int, bias: bool, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(1, rows, k, generator=g)
+    w = torch.randn(n, k, generator=g) if layout == "nk" else torch.randn(k, n, generator=g)
+    ins = [x, w] + ([torch.randn(n, generator=g)] if bias else [])
+    attrs = {"weight_layout": layout}
+    want = _ref("linear", ins, attrs)
+    kind, (got,) = _launch(lib, "linear", ins, attrs, [want])
+    assert kind == "native"
+    _close(got, want)
+
+
+def test_linear_with_more_rows_is_torchs(lib: Any) -> None:
+    x, w = torch.randn(2, GEMV_MAX_ROWS, 64), torch.randn(32, 64)
+    want = _ref("linear", [x, w], {})
+    kind, (got,) = _launch(lib, "linear", [x, w], {}, [want])
+    assert kind == "out"
+    _close(got, want)
+
+
+@pytest.mark.parametrize("lead", [1, 3])
+def test_linear_valid_rows_computes_only_those(lib: Any, lead: int) -> None:
+    """A tile-padded input: rows past valid_rows are padding, left unwritten (NaN here)."""
+    x, w = torch.randn(lead, 16, 48), torch.randn(32, 48)
+    attrs = {"valid_rows": 2}
+    want = _ref("linear", [x, w], attrs)
+    kind, (got,) = _launch(lib, "linear", [x, w], attrs, [want])
+    assert kind == "native"
+    _close(got[:, :2], want[:, :2])
+    assert got[:, 2:].isnan().all()
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_prepacked_for_many_rows(layout: str, bias: bool, dtype: torch.dtype) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    x, w = torch.randn(1, 40, 96), torch.randn(72, 96) if layout == "nk" else torch.randn(96, 72)
+    ins = [t.to(dtype) for t in [x, w] + ([torch.randn(72)] if bias else [])]
+    attrs = {"weight_layout": layout}
+    want = _ref("linear", [t.float() for t in ins], attrs)  # the f32 sum of the same operands
+    od = get_op("linear")
+    ls = Launchers(None, prepack=True)
+    out = torch.full(want.shape, float("nan"), dtype=dtype)
+    kind, f = ls._choose(Bound(od, od.full_attrs(attrs), ins, [out], None))
+    assert kind == "prepacked" and f is not None and ls.packed_bytes >= 72 * 96 * 2
+    f()
+    _close(out, want, dtype)
+
+
+@pytest.mark.parametrize("k", [768, 27])
+def test_linear_bf16_weights(lib: Any, k: int) -> None:
+    xdt = ydt = torch.bfloat16  # what the precision pass makes: one dtype for every operand
+    g = torch.Generator().manual_seed(k)
+    x, w, bias = torch.randn(1, 2, k, generator=g), torch.randn(70, k, generator=g), torch.randn(70, generator=g)
+    wb = w.to(torch.bfloat16)
+    ins = [x.to(xdt), wb, bias.to(torch.bfloat16)]
+    # the sum over bf16 operands, in f32, rounded once: what a bf16 kernel owes
+    want = (x.to(xdt).float() @ wb.float().t() + bias.to(torch.bfloat16).float())
+    od = get_op("linear")
+    outs = [torch.empty(1, 2, 70, dtype=ydt)]
+    ls = Launchers(lib)
+    kind, f = ls._choose(Bound(od, od.full_attrs({}), ins, outs, None))
+    assert kind == "native" and f is not None
+    f()
+    _close(outs[0], want, ydt)
+
+
+def test_rms_norm(lib: Any) -> None:
+    x, scale = torch.randn(3, 5, 768), torch.randn(768)
+    attrs = {"axis": -1, "eps": 1e-6}
+    want = _ref("rms_norm", [x, scale], attrs)
+    kind, (got,) = _launch(lib, "rms_norm", [x, scale], attrs, [want])
+    assert kind == "native"
+    _close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved", "deinterleave"])
+@pytest.mark.parametrize("d, half", [(64, 32), (96, 16)])
+def test_rope_lut(lib: Any, layout: str, d: int, half: int) -> None:
+    x, pos = torch.randn(2, 4, 3, d), torch.tensor([7, 0, 11])
+    ang = torch.arange(12)[:, None] * torch.rand(half)[None, :]
+    ins = [x, pos, ang.cos(), ang.sin()]
+    attrs = {"layout": layout}
+    want = _ref("rope_lut", ins, attrs)
+    kind, (got,) = _launch(lib, "rope_lut", ins, attrs, [want])
+    assert kind == "native"
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write(lib: Any, dtype: torch.dtype) -> None:
+    cache = torch.randn(1, 4, 32, 16).to(dtype)
+    new, pos = torch.randn(1, 4, 3, 16).to(dtype), torch.tensor([5, 6, 31])
+    want = _ref("kv_write", [cache, new, pos], {})
+    kind, (got,) = _launch(lib, "kv_write", [cache, new, pos], {}, [])
+    assert kind == "native" and got.data_ptr() == cache.data_ptr()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qdt, cdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("s, pos", [(1, [40]), (3, [0, 17, 63])])
+def test_cached_attention(lib: Any, qdt: torch.dtype, cdt: torch.dtype, s: int, pos: list[int]) -> None:
+    q = torch.randn(2, 8, s, 64).to(qdt)
+    kc, vc = torch.randn(2, 2, 64, 64).to(cdt), torch.randn(2, 2, 64, 48).to(cdt)
+    ins = [q, kc, vc, torch.tensor(pos)]
+    attrs = {"scale": 0.125}
+    want = _ref("cached_attention", [q.float(), kc.float(), vc.float(), torch.tensor(pos)], attrs)
+    kind, (got,) = _launch(lib, "cached_attention", ins, attrs, [torch.empty(2, 8, s, 48, dtype=qdt)])
+    assert kind == "native"
+    _close(got, want, torch.bfloat16 if torch.bfloat16 in (qdt, cdt) else torch.float32)
+
+
+@pytest.mark.parametrize("name", ["swiglu", "add"])
+def test_elementwise(lib: Any, name: str) -> None:
+    a, b = torch.randn(1, 1, 2048), torch.randn(1, 1, 2048)
+    want = _ref(name, [a, b], {})
+    kind, (got,) = _launch(lib, name, [a, b], {}, [want])
+    assert kind == "native"
+    _close(got, want)
+
+
+@pytest.mark.parametrize("src, dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_cast(lib: Any, src: torch.dtype, dst: torch.dtype) -> None:
+    x = (torch.randn(3, 1000) * 100).to(src)
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8]).to(src)
+    attrs = {"dtype": DType.from_torch(dst)}
+    want = _ref("cast", [x], attrs)
+    od = get_op("cast")
+    out = torch.empty(3, 1000, dtype=dst)
+    kind, f = Launchers(lib)._choose(Bound(od, od.full_attrs(attrs), [x], [out], None))
+    assert kind == "native" and f is not None
+    f()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+def test_prefill_sized_elementwise_is_torchs(lib: Any) -> None:
+    from npuc.runtime.launch import ELEMENTWISE_MAX
+
+    a, b = torch.randn(2, ELEMENTWISE_MAX), torch.randn(2, ELEMENTWISE_MAX)
+    kind, (got,) = _launch(lib, "swiglu", [a, b], {}, [a])
+    assert kind == "out"
+    _close(got, _ref("swiglu", [a, b], {}))
+
+
+def test_broadcasting_add_is_not_native(lib: Any) -> None:
+    a, b = torch.randn(4, 8), torch.randn(8)
+    want = _ref("add", [a, b], {})
+    kind, (got,) = _launch(lib, "add", [a, b], {}, [want])
+    assert kind == "out"
+    _close(got, want)
+
+
+@pytest.mark.parametrize("name, ins, attrs, out", [
+    ("kv_write", [torch.zeros(1, 2, 8, 4), torch.ones(1, 2, 1, 4), torch.tensor([8])], {}, None),
+    ("kv_write", [torch.zeros(1, 2, 8, 4), torch.ones(1, 2, 1, 4), torch.tensor([-1])], {}, None),
+    ("cached_attention", [torch.ones(1, 2, 1, 4), torch.ones(1, 2, 8, 4), torch.ones(1, 2, 8, 4),
+                          torch.tensor([1 << 40])], {"scale": 1.0}, torch.empty(1, 2, 1, 4)),
+    ("rope_lut", [torch.ones(1, 2, 1, 8), torch.tensor([9]), torch.ones(4, 4), torch.ones(4, 4)], {},
+     torch.empty(1, 2, 1, 8)),
+])
+def test_positions_outside_the_cache_or_table_are_refused(lib: Any, name: str, ins: list[torch.Tensor],
+                                                          attrs: dict[str, Any], out: torch.Tensor | None) -> None:
+    """What the runtime's position check guards, the kernel checks again: a corrupt .om's
+    positions come from ops, not inputs, and must never index outside the bytes."""
+    od = get_op(name)
+    outs = [ins[0] if out is None else out]
+    kind, f = Launchers(lib)._choose(Bound(od, od.full_attrs(attrs), ins, outs, None))
+    assert kind == "native" and f is not None
+    with pytest.raises(NpucError, match="NPUC-E0108"):
+        f()
+
+
+# -- whole programs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def host_lib() -> Any:
+    lib = native.library()
+    assert lib is not None
+    return lib
+
+
+@pytest.fixture(scope="module")
+def llama_gen(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from npuc.compiler.driver import compile_model
+
+    root = tmp_path_factory.mktemp("native")
+    return {soc: Path(compile_model(str(hf_checkpoints["llama"]), input_shape=f"input_ids:1,{PREFILL}",
+                                    output=str(root / soc), max_seq_len=32, soc_version=soc))
+            for soc in ("npu", "cpu")}
+
+
+PREFILL = 16  # more rows than the GEMV takes: prefill's products are GEMMs
+
+
+def _decode_logits(s: Session, steps: int = 6) -> list[torch.Tensor]:
+    s.reset_state()
+    s.run({"input_ids": torch.arange(3, 3 + PREFILL).reshape(1, PREFILL)}, "prefill")
+    return [s.run({"input_ids": torch.tensor([[7 + i]]), "position": torch.tensor([PREFILL + i])},
+                  "decode")["logits"] for i in range(steps)]
+
+
+@pytest.mark.parametrize("soc", ["npu", "cpu"])
+def test_native_decode_matches_the_torch_kernels(host_lib: Any, llama_gen: dict[str, Path], soc: str) -> None:
+    fast, ref = Session.load(str(llama_gen[soc])), Session.load(str(llama_gen[soc]), use_native=False)
+    assert fast.launchers.kinds.get("native", 0) > 0 and "native" not in ref.launchers.kinds
+    for a, b in zip(_decode_logits(fast), _decode_logits(ref), strict=True):
+        _close(a, b)
+
+
+def test_prefill_with_packed_weights_matches_the_torch_kernels(llama_gen: dict[str, Path]) -> None:
+    fast = Session.load(str(llama_gen["cpu"]), prepack=True)
+    slow = Session.load(str(llama_gen["cpu"]), use_native=False)
+    lean = Session.load(str(llama_gen["cpu"]), prepack=False)
+    if torch.backends.mkldnn.is_available():
+        assert fast.launchers.kinds.get("prepacked", 0) > 0 and fast.launchers.packed_bytes > 0
+    assert "prepacked" not in lean.launchers.kinds and lean.launchers.packed_bytes == 0
+    ids = {"input_ids": torch.arange(3, 3 + PREFILL).reshape(1, PREFILL)}
+    want = slow.run(ids, "prefill")["logits"]
+    for s in (fast, lean):
+        _close(s.run(ids, "prefill")["logits"], want)
+
+
+def test_padded_and_unpadded_targets_decode_alike(host_lib: Any, llama_gen: dict[str, Path]) -> None:
+    """The npu target pads decode's single row to 16; with valid_rows the host kernel
+    computes that one row, and the logits are the cpu target's."""
+    npu, cpu = Session.load(str(llama_gen["npu"])), Session.load(str(llama_gen["cpu"]))
+    lin = [st for st in npu.programs["decode"].steps if st.opdef.name == "linear"]
+    assert lin and all(st.attrs["valid_rows"] == 1 for st in lin)
+    for a, b in zip(_decode_logits(npu), _decode_logits(cpu), strict=True):
+        _close(a, b)
+
+
+def test_decode_views_run_nothing(llama_gen: dict[str, Path]) -> None:
+    """Decode's head transposes ([1,1,h,d] -> [1,h,1,d]) and the padded products' row slices
+    are planned on their operand's bytes, so the runtime drops those steps."""
+    s = Session.load(str(llama_gen["npu"]))
+    ops = [st.opdef.name for st in s.programs["decode"].steps]
+    dropped = [op for op, f in zip(ops, s._per_step["decode"], strict=True) if f is None]
+    assert dropped.count("slice") == ops.count("slice") > 0
+    assert dropped.count("transpose") == ops.count("transpose") > 0
+
+
+def test_native_decode_allocates_nothing(host_lib: Any, llama_gen: dict[str, Path]) -> None:
+    from npuc.runtime.alloc_profile import profile_run
+
+    s = Session.load(str(llama_gen["npu"]))
+    step = {"input_ids": torch.tensor([[5]]), "position": torch.tensor([PREFILL + 1])}
+    s.run(step, "decode")
+    r = profile_run(s, step, "decode", copy_outputs=False)
+    assert (r.count, r.bytes) == (0, 0)
+
+
+def test_without_a_compiler_the_runtime_uses_torch(monkeypatch: pytest.MonkeyPatch, llama_gen: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        s = Session.load(str(llama_gen["cpu"]))
+        assert "native" not in s.launchers.kinds
+        ref = Session.load(str(llama_gen["cpu"]), use_native=False)
+        for a, b in zip(_decode_logits(s), _decode_logits(ref), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_broken_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: error' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        assert not list((tmp_path / "cache").rglob("*.tmp"))  # no half-written library left behind
+    finally:
+        native.library.cache_clear()
+
+
+def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        built = list((tmp_path / "kernels").glob("kernels-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        native.library.cache_clear()
+        assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        native.library.cache_clear()
+
+
+def test_npuc_native_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NPUC_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+    finally:
+        native.library.cache_clear()
+
+
+@pytest.mark.parametrize("kn", [0, 1])
+def test_threads_split_the_columns_exactly(lib: Any, kn: int) -> None:
+    """Every output column is written once, whatever N and the thread count (chunks of 16
+    or 64 columns, the last one short, more threads than chunks)."""
+    k = 200  # 200 * N * 4 bytes: over the size at which a call runs on one thread, for N >= 82
+    for n in (1, 17, 63, 65, 129, 300):
+        for nt in (1, 2, 3, 5):
+            x, w = torch.randn(k), torch.randn(n, k)
+            wl = w.t().contiguous() if kn else w
+            y = torch.full((n,), float("nan"))
+            lib.npuc_linear_f32(x.data_ptr(), 1, k, wl.data_ptr(), kn, n, k, None, y.data_ptr(), n, nt)
+            torch.testing.assert_close(y, w @ x, atol=1e-4, rtol=1e-5)
+
+
+def test_the_thread_pool_over_many_back_to_back_calls(host_lib: Any) -> None:
+    """Jobs of changing size and thread count, back to back, as decode issues them: each
+    chunk runs once, for its own job (a claim of a finished job's chunk would show here)."""
+    g = torch.Generator().manual_seed(0)
+    k = 256
+    w = torch.randn(700, k, generator=g)
+    for i in range(600):
+        n = int(torch.randint(64, 700, (1,), generator=g))
+        x, y = torch.randn(k, generator=g), torch.full((n,), float("nan"))
+        host_lib.npuc_linear_f32(x.data_ptr(), 1, k, w.data_ptr(), 0, n, k, None, y.data_ptr(), n, 2 + i % 3)
+        torch.testing.assert_close(y, w[:n] @ x, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, ins, out", [
+    ("linear", [torch.randn(1, 1, 64), torch.randn(256, 64)], torch.zeros(1, 1, 16)),  # the rule: [1, 1, 256]
+    ("rms_norm", [torch.randn(4, 64), torch.randn(64)], torch.zeros(2, 64)),
+    ("add", [torch.randn(64), torch.randn(64)], torch.zeros(64, dtype=torch.float64)),
+])
+def test_a_slot_unlike_its_shape_rule_is_never_written_natively(lib: Any, name: str, ins: list[torch.Tensor],
+                                                                 out: torch.Tensor) -> None:
+    """A damaged .om that declares an output other than its op's shape rule makes of the
+    operands: the native kernels, which write by pointer, are not chosen for it."""
+    od = get_op(name)
+    kind, f = Launchers(lib)._choose(Bound(od, od.full_attrs({}), ins, [out], None))
+    assert kind != "native" and f is not None
