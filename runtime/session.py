@@ -1,8 +1,10 @@
 """The runtime: load a `.om`, allocate its arena once, execute its op stream.
 
 Needs torch, numpy and protobuf only: the model definition and the weights come
-from the file; kernels are the op registry's reference kernels. Weights are
-viewed in place in the memory-mapped file (no copy). Every intermediate lives at
+from the file. Each step's kernel is chosen once, at load (runtime/launch.py): native
+CPU kernels built for the host where a C compiler is found, else the op registry's
+out-kernels and reference kernels. Weights are viewed in place in the memory-mapped
+file (no copy; prefill's GEMMs may keep a packed copy, see `load`). Every intermediate lives at
 the offset the compiler planned in one arena, so a wrong plan shows up as a
 wrong result, not as hidden extra memory.
 
