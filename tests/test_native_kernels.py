@@ -4,7 +4,10 @@ refusals. Speed is measured in bench/run.py, never here."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -362,6 +365,24 @@ def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_pat
         mtime = built[0].stat().st_mtime_ns
         native.library.cache_clear()
         assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        native.library.cache_clear()
+
+
+def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        (built,) = (tmp_path / "kernels").glob("kernels-*.so")
+        damaged = tmp_path / "damaged"
+        damaged.write_bytes(built.read_bytes()[:100])  # truncated, as a full disk or a crash leaves it
+        os.replace(damaged, built)  # a new file: the loaded one stays mapped (in place it would SIGBUS)
+        # A fresh process: this one would hand back the library it has loaded from that path.
+        r = subprocess.run([sys.executable, "-c", "from npuc.runtime import native; print(native.library() is not None)"],
+                           capture_output=True, text=True, env={**os.environ, "NPUC_CACHE_DIR": str(tmp_path)})
+        assert r.stdout.strip() == "True", r.stderr
+        assert built.stat().st_size > 100
     finally:
         native.library.cache_clear()
 

@@ -102,6 +102,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _open(path: Path) -> ctypes.CDLL | None:
+    try:
+        return _declare(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as e:
+        log.debug("native kernels: %s does not load (%s)", path, e)
+        return None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built first if need be; None where they cannot be had."""
@@ -118,7 +126,8 @@ def library() -> ctypes.CDLL | None:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), repr(_VARIANTS), version,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
     path = cache_dir() / f"kernels-{key}.so"
-    if not path.is_file():
+    lib = _open(path) if path.is_file() else None
+    if lib is None:  # not built yet, or a cached file that does not load (damaged): build it
         try:
             flags = _build(cc, path)
         except OSError as e:  # the cache is not writable: build into a private temporary folder
@@ -128,13 +137,10 @@ def library() -> ctypes.CDLL | None:
         if flags is None:
             log.info("the native kernels did not compile with %s: the runtime uses its torch kernels", cc)
             return None
-        if "-fopenmp" not in flags:
-            log.info("native kernels built without OpenMP: they run on one thread")
-    try:
-        lib = _declare(ctypes.CDLL(str(path)))
-    except (OSError, AttributeError) as e:
-        log.info("the native kernels did not load (%s): the runtime uses its torch kernels", e)
-        return None
+        lib = _open(path)
+        if lib is None:
+            log.info("the native kernels did not load: the runtime uses its torch kernels")
+            return None
     if lib.npuc_kernels_abi() != ABI:
         return None
     return lib
