@@ -109,8 +109,7 @@ def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
     bias = b.ins[2] if len(b.ins) > 2 else None
     y = b.outs[0]
     layout = b.attrs["weight_layout"]
-    if x.device.type != "cpu" or x.dim() < 1 or w.dim() != 2 or not all(
-            t.is_contiguous() for t in (x, w, y) + ((bias,) if bias is not None else ())):
+    if x.dim() < 1 or w.dim() != 2 or not _contiguous(x, w, y, bias):
         return None
     n, k = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
     if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):

@@ -325,75 +325,63 @@ def test_native_decode_allocates_nothing(host_lib: Any, llama_gen: dict[str, Pat
     assert (r.count, r.bytes) == (0, 0)
 
 
+@pytest.fixture
+def fresh_library() -> Any:
+    """native.library() looked up anew in the test, and again after it (it is cached per process)."""
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
 def test_without_a_compiler_the_runtime_uses_torch(monkeypatch: pytest.MonkeyPatch, llama_gen: dict[str, Path],
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, fresh_library: None) -> None:
     monkeypatch.setattr(native, "_compiler", lambda: None)
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
-    native.library.cache_clear()
-    try:
-        assert native.library() is None
-        s = Session.load(str(llama_gen["cpu"]))
-        assert "native" not in s.launchers.kinds
-        ref = Session.load(str(llama_gen["cpu"]), use_native=False)
-        for a, b in zip(_decode_logits(s), _decode_logits(ref), strict=True):
-            assert torch.equal(a, b)
-    finally:
-        native.library.cache_clear()
+    assert native.library() is None
+    s = Session.load(str(llama_gen["cpu"]))
+    assert "native" not in s.launchers.kinds
+    ref = Session.load(str(llama_gen["cpu"]), use_native=False)
+    for a, b in zip(_decode_logits(s), _decode_logits(ref), strict=True):
+        assert torch.equal(a, b)
 
 
-def test_a_broken_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_broken_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_library: None) -> None:
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'cc: error' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path / "cache"))
-    native.library.cache_clear()
-    try:
-        assert native.library() is None
-        assert not list((tmp_path / "cache").rglob("*.tmp"))  # no half-written library left behind
-    finally:
-        native.library.cache_clear()
+    assert native.library() is None
+    assert not list((tmp_path / "cache").rglob("*.tmp"))  # no half-written library left behind
 
 
-def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
+    assert native.library() is not None
+    built = list((tmp_path / "kernels").glob("kernels-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
     native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        built = list((tmp_path / "kernels").glob("kernels-*.so"))
-        assert len(built) == 1
-        mtime = built[0].stat().st_mtime_ns
-        native.library.cache_clear()
-        assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
-    finally:
-        native.library.cache_clear()
+    assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
-def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
-    native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        (built,) = (tmp_path / "kernels").glob("kernels-*.so")
-        damaged = tmp_path / "damaged"
-        damaged.write_bytes(built.read_bytes()[:100])  # truncated, as a full disk or a crash leaves it
-        os.replace(damaged, built)  # a new file: the loaded one stays mapped (in place it would SIGBUS)
-        # A fresh process: this one would hand back the library it has loaded from that path.
-        r = subprocess.run([sys.executable, "-c", "from npuc.runtime import native; print(native.library() is not None)"],
-                           capture_output=True, text=True, env={**os.environ, "NPUC_CACHE_DIR": str(tmp_path)})
-        assert r.stdout.strip() == "True", r.stderr
-        assert built.stat().st_size > 100
-    finally:
-        native.library.cache_clear()
+    assert native.library() is not None
+    (built,) = (tmp_path / "kernels").glob("kernels-*.so")
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(built.read_bytes()[:100])  # truncated, as a full disk or a crash leaves it
+    os.replace(damaged, built)  # a new file: the loaded one stays mapped (in place it would SIGBUS)
+    # A fresh process: this one would hand back the library it has loaded from that path.
+    r = subprocess.run([sys.executable, "-c", "from npuc.runtime import native; print(native.library() is not None)"],
+                       capture_output=True, text=True, env={**os.environ, "NPUC_CACHE_DIR": str(tmp_path)})
+    assert r.stdout.strip() == "True", r.stderr
+    assert built.stat().st_size > 100
 
 
-def test_npuc_native_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_npuc_native_0_turns_them_off(monkeypatch: pytest.MonkeyPatch, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_NATIVE", "0")
-    native.library.cache_clear()
-    try:
-        assert native.library() is None
-    finally:
-        native.library.cache_clear()
+    assert native.library() is None
 
 
 @pytest.mark.parametrize("kn", [0, 1])
