@@ -80,6 +80,15 @@ def prompt_ids(s: Sizes) -> list[int]:
     return torch.randint(3, s.vocab, (s.prompt,), generator=g).tolist()
 
 
+def prefill_feed(sess: Any, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The prefill's inputs: the ids and, where the program takes it (compiled with
+    `--prefill_logits last`: runtime/generate.py's LAST_TOKEN), the row to compute logits for."""
+    feed = {"input_ids": torch.tensor([ids])}
+    if any(t.name == "last_token" for t in sess.programs["prefill"].inputs):
+        feed["last_token"] = torch.tensor([len(ids) - 1])
+    return feed
+
+
 def pct(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(round(q / 100 * (len(ys) - 1))))]
@@ -101,19 +110,20 @@ NPUC_SYSTEMS = [("npuc (--soc_version cpu)", "cpu", "must_keep_origin_dtype"),
 
 
 def run_npuc(ckpt: Path, s: Sizes, work: Path, label: str = NPUC_SYSTEMS[0][0], soc: str = "cpu",
-             precision: str = "must_keep_origin_dtype") -> dict[str, Any]:
+             precision: str = "must_keep_origin_dtype", quant_type: str | None = None) -> dict[str, Any]:
     from npuc.compiler.driver import compile_model
     from npuc.runtime import Session
     from npuc.runtime.generate import steps as gen_steps
 
     t0 = time.perf_counter()
-    om = compile_model(str(ckpt), input_shape=f"input_ids:1,{s.prompt}", output=str(work / f"npuc_{soc}_{precision}"),
-                       max_seq_len=s.max_len, soc_version=soc, precision_mode=precision)
+    om = compile_model(str(ckpt), input_shape=f"input_ids:1,{s.prompt}",
+                       output=str(work / f"npuc_{soc}_{precision}{'_' + quant_type if quant_type else ''}"),
+                       max_seq_len=s.max_len, soc_version=soc, precision_mode=precision, quant_type=quant_type)
     compile_s = time.perf_counter() - t0
     sess = Session.load(om)
     ids = prompt_ids(s)
     prefill = []
-    feed = {"input_ids": torch.tensor([ids])}
+    feed = prefill_feed(sess, ids)
     for _ in range(s.reps):
         t0 = time.perf_counter()
         sess.run(feed, "prefill", copy_outputs=False)
@@ -129,6 +139,8 @@ def run_npuc(ckpt: Path, s: Sizes, work: Path, label: str = NPUC_SYSTEMS[0][0], 
         t0 = time.perf_counter()
     out = decode_stats(label, tokens, steps, prefill)
     out["compile_s"] = compile_s
+    out["om"] = om
+    out["bytes"] = os.path.getsize(om)
     out["profile"] = decode_profile(sess, s)
     out["kernels"] = dict(sess.launchers.kinds)
     return out
@@ -234,6 +246,31 @@ def decode_profile(sess: Any, s: Sizes) -> list[tuple[str, float]]:
         sess.run(step, "decode", copy_outputs=False, on_step=tick)
     total = sum(share.values())
     return sorted(((k, v / total) for k, v in share.items()), key=lambda kv: -kv[1])
+
+
+def run_quant(ckpt: Path, s: Sizes, work: Path, threads: int, llamacpp_python: str | None,
+              fp32_tokens: list[int]) -> dict[str, Any]:
+    """npuc's w8a16 and w4a16 beside onnxruntime's MatMulNBits and llama.cpp (bench/quant_bench.py)."""
+    import quant_bench as qb
+
+    rows, notes = [], []
+    ids = prompt_ids(s)
+    for label, qtype, _ in qb.QUANT_SYSTEMS:
+        print(f"[bench] {label}", file=sys.stderr)
+        r = run_npuc(ckpt, s, work, label, "cpu", quant_type=qtype)
+        rows.append({k: r[k] for k in ("system", "tokens", "tok_per_s", "steps_ms", "p50_ms", "prefill_ms", "bytes")})
+    print("[bench] onnxruntime MatMulNBits", file=sys.stderr)
+    o = qb.run_ort_nbits(ckpt, s, work, threads, ids)
+    rows.append(qb.stats(qb.ORT_LABEL, o["tokens"], o["steps"], o["prefill"]) | {"bytes": o["bytes"]})
+    if llamacpp_python:
+        for _, _, qtype in qb.QUANT_SYSTEMS:
+            print(f"[bench] llama.cpp {qtype}", file=sys.stderr)
+            r = qb.run_llamacpp(llamacpp_python, ckpt, qtype, work, ids, s.new, threads, s.reps)
+            rows.append(qb.stats(f"llama.cpp ({qtype})", r["tokens"], r["steps"], r["prefill"])
+                        | {"bytes": r["gguf_bytes"], "version": r["version"]})
+    else:
+        notes.append("llama.cpp not run: give --llamacpp-python (a venv from bench/setup_llamacpp.sh)")
+    return {"rows": rows, "notes": notes, "fp32_tokens": fp32_tokens}
 
 
 # -- compile time -----------------------------------------------------------------------------------
@@ -444,6 +481,10 @@ def render(res: dict[str, Any]) -> str:
     for d in (cpu, npu, bf16):
         lines.append(f"- {d['system']}: " + ", ".join(f"{k} {v:.0%}" for k, v in d["profile"][:8])
                      + "; kernels chosen at load: " + ", ".join(f"{k} {v}" for k, v in sorted(d.get("kernels", {}).items())) + ".")
+    if res.get("tail"):
+        import tail  # bench/tail.py, which imports this module: imported when used
+
+        lines += [""] + tail.render(res["tail"])
     lines += [
         "",
         "## Prefill",
@@ -455,6 +496,31 @@ def render(res: dict[str, Any]) -> str:
     ]
     for d in res["decode"]:
         lines.append(f"| {d['system']} | {d['prefill_ms']:.1f} | {cpu['prefill_ms'] / d['prefill_ms']:.2f} |")
+    if res.get("quant"):
+        import quant_bench
+
+        q = res["quant"]
+        hf_tok = next(d for d in res["decode"] if d["system"].startswith("HF"))["tok_per_s"]
+        lines += [""] + quant_bench.render(q["rows"], hf_tok, cpu["tokens"], cpu["bytes"])
+        by = {r["system"]: r for r in q["rows"]}
+        w8, w4 = (by[label] for label, _, _ in quant_bench.QUANT_SYSTEMS)
+        ort_q = by.get(quant_bench.ORT_LABEL)
+        lines += ["", "| target | measured | met |", "|---|---|---|",
+                  f"| w8a16 >= 3x HF fp32 tokens/s | {w8['tok_per_s'] / hf_tok:.2f}x | "
+                  f"{'yes' if w8['tok_per_s'] >= 3 * hf_tok else 'no'} |",
+                  f"| w4a16 >= 5x HF fp32 tokens/s | {w4['tok_per_s'] / hf_tok:.2f}x | "
+                  f"{'yes' if w4['tok_per_s'] >= 5 * hf_tok else 'no'} |"]
+        if ort_q:
+            lines.append(f"| w4a16 >= 1.0x onnxruntime MatMulNBits (4 bits, block 128) tokens/s | "
+                         f"{w4['tok_per_s'] / ort_q['tok_per_s']:.2f}x | "
+                         f"{'yes' if w4['tok_per_s'] >= ort_q['tok_per_s'] else 'no'} |")
+        for label, _, qtype in quant_bench.QUANT_SYSTEMS:
+            lc = by.get(f"llama.cpp ({qtype})")
+            if lc:
+                lines.append(f"| {label.split(',')[1].strip(' )')} vs llama.cpp {qtype} tokens/s (aim >= 1.0x) | "
+                             f"{by[label]['tok_per_s'] / lc['tok_per_s']:.2f}x | "
+                             f"{'yes' if by[label]['tok_per_s'] >= lc['tok_per_s'] else 'no'} |")
+        lines += [f"- {n}" for n in q.get("notes", [])]
     lines += [
         "",
         "## Memory plans",
@@ -518,7 +584,7 @@ def analysis(res: dict[str, Any]) -> list[str]:
     if cpu["p99_ms"] > 1.15 * cpu["p50_ms"]:
         out.append(f"- P99/P50 {cpu['p99_ms'] / cpu['p50_ms']:.2f} over {len(cpu['steps_ms'])} steps (the "
                    f"second-slowest step); in the same run HF's is {hf_d['p99_ms'] / hf_d['p50_ms']:.2f} and "
-                   f"onnxruntime's {ort_d['p99_ms'] / ort_d['p50_ms']:.2f}.")
+                   f"onnxruntime's {ort_d['p99_ms'] / ort_d['p50_ms']:.2f}." + tail_fact(res.get("tail")))
     ct = res.get("compile_time")
     if ct and ct["ratio"] > 3:
         out.append(f"- Compile of the HF folder: {ct['npuc_s']:.1f} s against from_pretrained's "
@@ -529,6 +595,22 @@ def analysis(res: dict[str, Any]) -> list[str]:
     if len(out) == 4:
         out.append("- None.")
     return out + [""]
+
+
+def tail_fact(tr: dict[str, Any] | None) -> str:
+    """One sentence from bench/tail.py's trace: where the slow steps' extra time went."""
+    if not tr:
+        return ""
+    t = tr["trace"]
+    if not t.get("probes"):
+        return " The tracer's run-queue figures: not available."
+    tl = t["tail"]
+    return (f" Traced (Step-latency tail): over {t['steps']} steps (P99/P50 {t['wall']['p99_over_p50']:.2f}), the "
+            f"steps above P90 took {tl['excess_ms']:.1f} ms more than the median band, of which the main thread "
+            f"waited {tl['run_queue_ms']:.1f} ms for a core and ran {tl['on_cpu_ms']:+.1f} ms longer; its on-CPU "
+            f"time's P99/P50 is {t['main_on_cpu']['p99_over_p50']:.2f}"
+            + (f"; a step's wall correlates {bw['corr']:.2f} with a timed memory read before it."
+               if (bw := tr.get("bandwidth")) and bw.get("corr") is not None else "."))
 
 
 def render_scale(sc: dict[str, Any]) -> list[str]:
@@ -582,6 +664,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="small models: a smoke check in under 3 minutes")
     ap.add_argument("--out", default=None, help="report path (default: docs/benchmarks.md; --quick: a temp file)")
     ap.add_argument("--work", default=None, help="folder for checkpoints and .om files (kept between runs)")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("NPUC_BENCH_LLAMACPP_PYTHON"),
+                    help="a python that has llama-cpp-python and gguf (bench/setup_llamacpp.sh)")
     ap.add_argument("--executorch-python", default=os.environ.get("NPUC_BENCH_EXECUTORCH_PYTHON"),
                     help="a python that has executorch (its requirements clash with npuc's; see bench/README)")
     ap.add_argument("--skip-scale", action="store_true", help="leave out compile at scale")
@@ -609,10 +693,16 @@ def main(argv: list[str] | None = None) -> None:
     for label, soc, precision in NPUC_SYSTEMS:
         print(f"[bench] model {params / 1e6:.0f}M params; {label}", file=sys.stderr)
         decode.append(run_npuc(ckpt, s, work, label, soc, precision))
+    print("[bench] step-latency tail (bench/tail.py)", file=sys.stderr)
+    import tail  # bench/tail.py, which imports this module: imported when used
+
+    step_tail = tail.trace(Path(decode[0]["om"]), s, runs=2 if args.quick else 6, profile_runs=1 if args.quick else 2,
+                           control_runs=2 if args.quick else 6, exp_rounds=0 if args.quick else 6)
     print("[bench] HF", file=sys.stderr)
     decode.append(run_hf(ckpt, s))
     print("[bench] onnxruntime", file=sys.stderr)
     decode.append(run_ort(ckpt, s, work, threads))
+    quant = run_quant(ckpt, s, work, threads, args.llamacpp_python, decode[0]["tokens"])
     fp32 = [d for d in decode if "bf16" not in d["system"]]
     same = len({tuple(d["tokens"]) for d in fp32}) == 1
     if not same:
@@ -642,7 +732,8 @@ def main(argv: list[str] | None = None) -> None:
         "threads": threads, "versions": versions(args.executorch_python), "params": params, "decode": decode, "same_tokens": same,
         "weight_bytes": weight_bytes, "read_bytes": read_bytes, "bandwidth_gbps": bw,
         "bound_tok_per_s": bw * 1e9 / read_bytes,
-        "plans": plans, "passes": passes, "scale": scale, "notes": notes, "compile_time": compile_time,
+        "plans": plans, "passes": passes, "scale": scale, "notes": notes, "compile_time": compile_time, "tail": step_tail,
+        "quant": quant,
         "gpu": ("Not run: this machine has no GPU (torch.cuda.is_available() is False)."
                 if not torch.cuda.is_available() else "A GPU is present, but the CUDA benchmark is not written yet."),
     }

@@ -122,6 +122,18 @@ _MODEL_OPTIONS = [
     click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
                  help="Causal LMs: also emit a one-token decode program over a KV cache of N positions "
                       "(prefill + decode in one .om, for `npuc generate`)."),
+    click.option("--prefill_logits", "--prefill-logits", "prefill_logits", default=None, metavar="last|all",
+                 help="With --max_seq_len: last (default) computes prefill's logits for the row its last_token "
+                      "input names only; all computes every row's."),
+    click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16",
+                 help="Weight-only quantization: int8 per output channel (w8a16) or int4 per group (w4a16); "
+                      "quantized products take 16-bit activations (docs/quantization.md)."),
+    click.option("--group_size", "--group-size", "group_size", type=int, default=None, metavar="32|64|128",
+                 help="With --quant_type: weights per scale along K (w4a16 default 128; w8a16 default per channel)."),
+    click.option("--quant_exclude", "--quant-exclude", "quant_exclude", default=None, metavar="FILE",
+                 help="A file of node or weight names, one a line, left unquantized."),
+    click.option("--quant_strict", "--quant-strict", "quant_strict", is_flag=True, default=False,
+                 help="Refuse a weight whose K the group size does not divide (default: store it in int8)."),
     click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
                  type=click.Choice(["text", "json"]), help="json: errors and logs as JSON lines, nothing else on stderr."),
 ]
@@ -181,7 +193,9 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
     check_framework(opts["framework"], source)
     common = dict(input_shape=opts["input_shape"], soc_version=opts["soc_version"],
                   precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
-                  max_seq_len=opts["max_seq_len"], out_nodes=opts["out_nodes"], input_format=opts["input_format"])
+                  max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"], out_nodes=opts["out_nodes"],
+                  input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
+                  quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"])
     if mode == "3":
         return _precheck(source, opts["json_out"], common, opts["diagnostics_format"])
     from npuc.compiler.driver import compile_model

@@ -31,9 +31,11 @@ from npuc.compiler.torch_frontend import import_exported_program, unsupported_op
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Value, distinct_outputs
 from npuc.passes.kv_cache import KVCache, RopeTables
+from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
+from npuc.passes.quantize import Quantize, check_quant
 
 log = logging.getLogger("npuc")
 
@@ -441,8 +443,9 @@ def _tokenizer_section(model: Any) -> tuple[dict[str, bytes], list[str]]:
     return {"tokenizer": json.dumps(files, sort_keys=True).encode()}, read
 
 
-def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None) -> frozenset[str]:
-    """Node names from a --keep_dtype file (one a line, # comments) or a list."""
+def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None, flag: str = "--keep_dtype"
+                    ) -> frozenset[str]:
+    """Node names from a --keep_dtype (or other `flag`) file (one a line, # comments) or a list."""
     if keep is None:
         return frozenset()
     if not isinstance(keep, (str, os.PathLike)):
@@ -451,8 +454,8 @@ def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None) -> froz
         with open(keep) as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise NpucError("NPUC-E0401", f"cannot read --keep_dtype file {os.fspath(keep)!r}: {e.strerror}",
-                        "give a text file with one op name a line", exit_code=EXIT_IO) from None
+        raise NpucError("NPUC-E0401", f"cannot read {flag} file {os.fspath(keep)!r}: {e.strerror}",
+                        "give a text file with one name a line", exit_code=EXIT_IO) from None
     return frozenset(ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip())
 
 
@@ -471,6 +474,11 @@ def compile_model(
     precision_mode: str = "must_keep_origin_dtype",
     keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None,
     max_seq_len: int | None = None,
+    prefill_logits: str | None = None,
+    quant_type: str | None = None,
+    group_size: int | None = None,
+    quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
+    quant_strict: bool = False,
     out_nodes: str | Sequence[str] | None = None,
     input_format: str = "ND",
     depfile: str | os.PathLike[str] | None = None,
@@ -488,16 +496,27 @@ def compile_model(
     `max_seq_len` makes a causal LM's `.om` hold two programs over one KV cache of
     that many positions: `prefill` (the --input_shape length, from position 0) and
     `decode` (one token at the `position` input); see passes/kv_cache.py.
-    `out_nodes` ("name;name:1", ATC's syntax) picks the graph outputs; `input_format`
-    (ND, NCHW) is checked against the inputs and recorded. `depfile` gets Make rules
-    naming every file read (plus `extra_deps`, e.g. a config file); `progress` hears of
-    each stage. Every option is checked before the model is read."""
+    `prefill_logits` ("last", the default there, or "all"): whether prefill computes the
+    logits of the row its `last_token` input names only, or of every row
+    (passes/last_token_logits.py). `quant_type` ("w8a16", "w4a16") with `group_size`
+    (32, 64, 128) stores matrix weights as integers (passes/quantize.py); `quant_exclude`
+    names weights or nodes to leave as they are (a file, one a line, or a list), and
+    `quant_strict` refuses a weight the group does not fit instead of storing it in int8.
+    `out_nodes` ("name;name:1", ATC's syntax) picks the
+    graph outputs; `input_format` (ND, NCHW) is checked against the inputs and recorded.
+    `depfile` gets Make rules naming every file read (plus `extra_deps`, e.g. a config
+    file); `progress` hears of each stage. Every option is checked before the model is read."""
     progress = progress or NullProgress()
     target = get_target(soc_version)
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
     check_max_seq_len(max_seq_len)
+    prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
+    quant = check_quant(quant_type, group_size)
+    exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
+    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict)) if quant else None
     input_format = check_input_format(input_format)
-    passes = pipelines(mode, keep, target, max_seq_len)[0]  # its pass names, for --dump-ir-after
+    passes = pipelines(mode, keep, target, max_seq_len, prefill_logits=prefill_logits,
+                       quantize=quantize)[0]  # for --dump-ir-after
     dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
     out_path = os.fspath(output)
     if not out_path.endswith(".om"):
@@ -518,12 +537,14 @@ def compile_model(
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
-                     max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes,
+                     max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes, quant_type=quant_type,
+                     group_size=quant[1] if quant else None,
+                     quant_exclude=exclude or None,
                      input_format=None if input_format == "ND" else input_format)
     extra: dict[str, bytes] = {}
     if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
-        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables)
+        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize)
         graph.name = "prefill"
         decode_graph.name = "decode"
         gen_meta, read = _generation_meta(model, max_seq_len)
@@ -534,6 +555,9 @@ def compile_model(
     run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper, on_pass=progress.advance)
     graphs = [run.graph]
     if decode_graph is not None:
+        # What prefill computes (recorded once known): "last" by default, "all" where the model's
+        # logits do not come from an LM head the pass can follow (it warned).
+        meta["option.prefill_logits"] = "last" if any(v.name == LAST_TOKEN for v in run.graph.inputs) else "all"
         progress.stage("optimise decode", len(decode_passes))
         decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug,
                                              on_pass=progress.advance)
@@ -607,14 +631,19 @@ def _stored_ranges(low: Lowered) -> list[FileRange]:
 
 
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
-              tables: Sequence[RopeTables] = ()) -> list[list[Pass]]:
+              tables: Sequence[RopeTables] = (), prefill_logits: str | None = None,
+              quantize: Quantize | None = None) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
-    decode over a KV cache of that many positions (the RoPE `tables` from build_programs)."""
+    decode over a KV cache of that many positions (the RoPE `tables` from build_programs).
+    `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
+    last row's logits where the model allows, "last" insists, "all" keeps every row."""
     if max_seq_len is None:
-        return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim)]
+        return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize)]
     cache_len = align_up(max_seq_len, target.matrix_tile)
+    last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                             KVCache(role, cache_len, tables, position))
+                             KVCache(role, cache_len, tables, position), last if role == "prefill" else None,
+                             quantize)
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
 
 
@@ -633,6 +662,26 @@ def check_max_seq_len(max_seq_len: Any) -> None:
         raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len!r} is not a positive integer",
                         "give the longest sequence (prompt + generated tokens) to cache, e.g. --max_seq_len 2048",
                         exit_code=EXIT_USAGE)
+
+
+PREFILL_LOGITS = ("last", "all")
+
+
+def check_prefill_logits(value: str | None, max_seq_len: int | None) -> str | None:
+    """--prefill_logits as given (None: not given), checked. It shapes the prefill program
+    of a --max_seq_len compile; a single program computes every row, so "last" without one
+    is a mistake and "all" says nothing."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v not in PREFILL_LOGITS:
+        raise NpucError("NPUC-E0129", f"--prefill_logits {value!r} is not one npuc knows",
+                        "use last (the logits of the last_token row only) or all (every row)", exit_code=EXIT_USAGE)
+    if v == "last" and max_seq_len is None:
+        raise NpucError("NPUC-E0129", "--prefill_logits last needs --max_seq_len: without it the .om has one "
+                        "program, which computes every row", "add --max_seq_len N, or leave --prefill_logits out",
+                        exit_code=EXIT_USAGE)
+    return v
 
 
 INPUT_FORMATS = ("ND", "NCHW")

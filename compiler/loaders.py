@@ -3,7 +3,9 @@ Hugging Face checkpoint directory (`config.json` + `*.safetensors`).
 
 For a checkpoint directory the module is built with its parameters on no real
 memory (uninitialised storage, never touched), exported, and each weight becomes
-a `SafetensorsSource` that reads its tensor only when the backend writes it.
+a `SafetensorsSource` that reads its tensor only when the backend writes it. A GPTQ
+or AWQ checkpoint is built as its float model, and each quantized linear's weight
+becomes a `QuantizedWeight` over its packed tensors (compiler/quant_import.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from npuc.compiler.quant_import import read_hf_quantization
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import safetensors_layout
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
@@ -199,6 +202,13 @@ def load_hf_dir(path: Path) -> LoadedModel:
     except Exception as e:
         raise NpucError("NPUC-E0407", f"cannot read {str(path / 'config.json')!r}: {e}",
                         "the folder should come from save_pretrained", exit_code=EXIT_IO) from None
+    # A quantized checkpoint (GPTQ, AWQ) is built as its float model, whose linears' weights
+    # are then found as packed tensors (compiler/quant_import.py): transformers could only
+    # build its quantized layers with optimum or gptqmodel, and npuc needs none of them.
+    quant = read_hf_quantization(config)
+    if quant is not None:
+        with contextlib.suppress(AttributeError):
+            del config.quantization_config
     archs = getattr(config, "architectures", None) or []
     auto = transformers.AutoModelForCausalLM if any("CausalLM" in a for a in archs) or not archs \
         else transformers.AutoModel
@@ -238,6 +248,8 @@ def load_hf_dir(path: Path) -> LoadedModel:
             src = SafetensorsSource(file, key, p.dtype, layout)
         else:
             src = _experts_source(names[0], tuple(p.shape), p.dtype, index)
+            if src is None and quant is not None:
+                src = quant.weight(names[0], tuple(p.shape), p.dtype, index)
         if src is None:
             missing.append(names[0])
             continue

@@ -9,7 +9,10 @@
   `Range`, `ConstantOfShape`) is evaluated while importing: once every input
   shape is fixed those values are constants, and the ops that need them
   (Reshape, Expand, Slice, ...) read them as data.
-- Every unsupported op is reported at once, with its domain and opset.
+- Every unsupported op is reported at once, with its domain and opset. Ops of
+  other domains than ai.onnx are keyed "domain::OpType" (`com.microsoft::MatMulNBits`).
+- Quantized weights (DequantizeLinear, MatMulNBits, int4 initializers) are converted
+  into npuc's quantized layout by compiler/onnx_quant.py.
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ def converts(*op_types: str) -> Callable[[OnnxConverter], OnnxConverter]:
 
 
 def supported_op_types() -> list[str]:
-    return sorted(CONVERTERS)
+    """The ai.onnx operators npuc converts (other domains' are keyed "domain::OpType")."""
+    return sorted(k for k in CONVERTERS if "::" not in k)
 
 
 def supported_elem_types() -> list[int]:
@@ -241,13 +245,18 @@ class _Ctx:
         return v if v.type.shape == shape else self.one("reshape", [v], {"shape": shape})
 
 
+def op_key(node: Any) -> str:
+    """A node's key in CONVERTERS: its op type in ai.onnx, else "domain::op type"."""
+    domain = node.domain or "ai.onnx"
+    return node.op_type if domain == "ai.onnx" else f"{domain}::{node.op_type}"
+
+
 def check_supported(model: OnnxModel) -> None:
     """Every operator npuc cannot convert, in one error (needs no input shapes)."""
     bad: Counter[str] = Counter()
     for n in model.proto.graph.node:
-        domain = n.domain or "ai.onnx"
-        if domain not in ("ai.onnx",) or n.op_type not in CONVERTERS:
-            bad[f"{domain}::{n.op_type} (opset {model.opset})"] += 1
+        if op_key(n) not in CONVERTERS:
+            bad[f"{n.domain or 'ai.onnx'}::{n.op_type} (opset {model.opset})"] += 1
     if bad:
         listing = ", ".join(f"{k} x{v}" for k, v in sorted(bad.items()))
         raise NpucError("NPUC-E0301", f"the model uses {len(bad)} operator(s) npuc does not support: {listing}",
@@ -263,7 +272,7 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
     env: dict[str, Value] = {}
     base = os.path.dirname(os.path.abspath(model.path))
     for t in proto.graph.initializer:
-        src = OnnxTensorSource(t, base)
+        src = onnx_quant.int4_source(t, base) or OnnxTensorSource(t, base)  # int4: widened, one value a byte
         env[t.name] = g.add_constant(t.name, TensorType(src.shape, src.dtype), src)
     for vi in proto.graph.input:
         if vi.name in env:
@@ -278,7 +287,7 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
                 raise NpucError("NPUC-E0312", f"{ctx.where} reads {i!r}, which nothing defines",
                                 "the ONNX graph is malformed (run onnx.checker)", exit_code=EXIT_USAGE)
         attrs = {a.name: _attr(a) for a in node.attribute}
-        outs = CONVERTERS[node.op_type](ctx, node, ins, attrs)
+        outs = CONVERTERS[op_key(node)](ctx, node, ins, attrs)
         for name, v in zip(node.output, outs, strict=False):
             if not name:
                 continue
@@ -544,7 +553,7 @@ def _clip(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> l
 @converts("MatMul")
 def _matmul(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     assert ins[0] is not None and ins[1] is not None
-    return [ctx.one("matmul", [ins[0], ins[1]])]
+    return [onnx_quant.product(ctx, ins[0], ins[1])]  # a linear over a DequantizeLinear weight, else matmul
 
 
 @converts("Gemm")
@@ -553,9 +562,9 @@ def _gemm(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> l
     assert x is not None and w is not None
     if a.get("transA", 0):
         x = ctx.one("transpose", [x], {"perm": (1, 0)})
-    if a.get("transB", 0):
-        w = ctx.one("transpose", [w], {"perm": (1, 0)})
-    y = ctx.one("matmul", [x, w])
+    if a.get("transB", 0):  # transposing a DequantizeLinear weight [K, N] gives back its dequantize
+        w = onnx_quant.dequantized_nk(w) or ctx.one("transpose", [w], {"perm": (1, 0)})
+    y = onnx_quant.product(ctx, x, w)
     if a.get("alpha", 1.0) != 1.0:
         y = ctx.one("mul", [y, ctx.const(a["alpha"], y.type.dtype)])
     if len(ins) > 2 and ins[2] is not None:
@@ -1029,3 +1038,7 @@ def _attention_math(ctx: _Ctx, q: Value, k: Value, v: Value, mask: Value | None,
     if mode not in outs:
         raise ctx.unsupported(f"qk_matmul_output_mode {mode}")
     return ctx.one("matmul", [p, v]), outs[mode]
+
+
+# Quantized weights (DequantizeLinear, com.microsoft::MatMulNBits) register their converters here.
+from npuc.compiler import onnx_quant  # noqa: E402

@@ -23,6 +23,7 @@ from npuc.compiler.driver import (
     check_input_format,
     check_input_layout,
     check_max_seq_len,
+    check_prefill_logits,
     dtypes_used,
     pipelines,
     read_keep_dtype,
@@ -31,6 +32,7 @@ from npuc.compiler.driver import (
 from npuc.errors import NpucError
 from npuc.ir import Graph
 from npuc.passes.precision import check_mode
+from npuc.passes.quantize import Quantize, check_quant
 
 FORMAT = "npuc-precheck/1"
 R = TypeVar("R")
@@ -62,7 +64,10 @@ class PrecheckReport:
 def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = None,
              input_dtypes: Mapping[str, Any] | None = None, precision_mode: str = "must_keep_origin_dtype",
              keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None, max_seq_len: int | None = None,
-             out_nodes: str | Sequence[str] | None = None, input_format: str = "ND") -> PrecheckReport:
+             prefill_logits: str | None = None, out_nodes: str | Sequence[str] | None = None,
+             input_format: str = "ND", quant_type: str | None = None, group_size: int | None = None,
+             quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
+             quant_strict: bool = False) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -80,6 +85,10 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     mode = attempt("precision mode", lambda: check_mode(precision_mode), "must_keep_origin_dtype")
     keep = attempt("keep_dtype", lambda: read_keep_dtype(keep_dtype), frozenset[str]())
     attempt("max_seq_len", lambda: check_max_seq_len(max_seq_len), None)
+    rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
+    quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
+    exclude = attempt("quant_exclude", lambda: read_keep_dtype(quant_exclude, "--quant_exclude"), frozenset[str]())
+    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict)) if quant else None
     fmt = attempt("input format", lambda: check_input_format(input_format), "ND")
     if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx") and os.path.isfile(model):
         from npuc.compiler.onnx_frontend import check_supported, load_onnx
@@ -96,12 +105,13 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
         def decode() -> None:
             dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
             select_outputs(dg, out_nodes)
-            for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables), strict=True):
+            for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables, rows,
+                                                                      quantize), strict=True):
                 graphs.append(instrument.run_pipeline(g, passes).graph)
         attempt("generation (prefill + decode)", decode, None)
     else:
         attempt("pipeline", lambda: graphs.append(
-            instrument.run_pipeline(graph, pipelines(mode, keep, target)[0]).graph), None)
+            instrument.run_pipeline(graph, pipelines(mode, keep, target, quantize=quantize)[0]).graph), None)
     if not graphs:
         report.skipped.append("dtypes, memory: the pipeline did not finish")
         return report

@@ -7,7 +7,8 @@ disagrees with torch is caught at import, not as a wrong number later.
 decompositions), which is what the fusion passes want to see.
 
 Parameters and buffers become graph constants whose bytes stay in their source
-(`WeightResolver`) until the backend writes them.
+(`WeightResolver`) until the backend writes them. A weight a checkpoint stores
+quantized (a `QuantizedWeight`: GPTQ, AWQ) becomes `dequantize` over its codes.
 
 npuc's IR has no complex dtype. A complex tensor [..] is carried as its real pairs,
 a real [.., 2] tensor (re, im), the layout `torch.view_as_real` gives it, wrapped in
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from npuc.compiler.quant_import import Emitted, QuantizedWeight
 from npuc.errors import EXIT_UNSUPPORTED, InternalError, NpucError
 from npuc.ir import ConstSource, DType, Graph, TensorSource, TensorType, Value, distinct_outputs, get_op
 from npuc.ir.ops import ShapeError
@@ -132,6 +134,7 @@ class _Ctx:
         self.g = g
         self.env: dict[torch.fx.Node, Any] = {}
         self._scalars: dict[tuple[str, DType], Value] = {}
+        self.act_order: dict[int, Emitted] = {}  # id of an act-order weight -> how it was emitted
 
     def value(self, arg: Any) -> Value:
         if isinstance(arg, torch.fx.Node):
@@ -217,7 +220,7 @@ def import_exported_program(
                     ctx.env[node] = node.meta.get("val")
             else:
                 target = spec.target  # type: ignore[union-attr]
-                ctx.env[node] = _constant(g, node, target, tensors.get(target), resolve_weight)
+                ctx.env[node] = _constant(ctx, node, target, tensors.get(target), resolve_weight)
         elif node.op == "call_function":
             tname = _target_name(node)
             if tname in _IGNORED:
@@ -247,10 +250,20 @@ def _complex_refused(what: str, hint: str) -> NpucError:
     return NpucError("NPUC-E0309", f"{what}: npuc has no complex element type", hint, exit_code=EXIT_UNSUPPORTED)
 
 
-def _constant(g: Graph, node: torch.fx.Node, target: str, tensor: torch.Tensor | None,
+def _constant(ctx: _Ctx, node: torch.fx.Node, target: str, tensor: torch.Tensor | None,
               resolve_weight: WeightResolver) -> Value | Pairs:
+    g = ctx.g
     if not _is_complex(node.meta.get("val")):
-        return g.add_constant(target, _meta_type(node), resolve_weight(target, tensor))
+        src = resolve_weight(target, tensor)
+        if isinstance(src, QuantizedWeight):  # stored quantized (GPTQ, AWQ): dequantize over its codes
+            want = _meta_type(node)
+            if (src.n, src.k) != want.shape or src.dtype != want.dtype:
+                raise InternalError(f"quantized weight {target} is {src.dtype}[{src.n},{src.k}], torch says {want}")
+            emitted = src.emit(g, target)
+            if emitted.order is not None:
+                ctx.act_order[id(emitted.weight)] = emitted
+            return emitted.weight
+        return g.add_constant(target, _meta_type(node), src)
     if tensor is None:  # a complex weight still on disk: no lazy reader splits it into pairs
         raise _complex_refused(f"weight {target!r} is complex", "store it as torch.view_as_real pairs")
     # A complex buffer (a precomputed freqs_cis) in memory: its pairs are a constant npuc computed.
@@ -582,6 +595,12 @@ def _softmax(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
 @converts("aten.linear.default")
 def _linear(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     ins = [ctx.value(a["input"]), ctx.value(a["weight"])]
+    act_order = ctx.act_order.get(id(ins[1]))
+    if act_order is not None and act_order.order is not None:
+        # x @ W^T = x[..., order] @ W_stored^T: the input is gathered into the stored order of K.
+        x = ins[0]
+        ins = [ctx.emit("gather", [x, act_order.order], {"axis": x.type.rank - 1}, name=f"{node.name}_input"),
+               act_order.dequantized]
     if a.get("bias") is not None:
         ins.append(ctx.value(a["bias"]))
     return ctx.emit("linear", ins, like=node)

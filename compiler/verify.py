@@ -22,6 +22,9 @@ no element fails. `verify` never raises on a numeric failure: the CLI exits 1 wi
 
 A `.om` with several programs (compiled with --max_seq_len: prefill and decode) is
 verified on its first program, prefill, from an empty KV cache; the report says so.
+A prefill that computes the logits of one row per sequence (`--prefill_logits last`,
+the default) takes that row as its `last_token` input (random in [0, S) unless given):
+the source runs without it, and its outputs are compared at those rows.
 
 `--per-layer` also compares intermediates. The reference is the frontend's
 unoptimised graph of the same source at the `.om`'s input shapes
@@ -49,6 +52,7 @@ import torch
 
 from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, OpDef, get_op
+from npuc.passes.last_token_logits import LAST_TOKEN
 
 __all__ = [
     "InputInfo", "LayerDiff", "OutputStat", "PerLayerReport", "VerifyReport",
@@ -232,7 +236,8 @@ def _random_inputs(sess: Any, prog: Any, seed: int) -> tuple[dict[str, torch.Ten
         else:
             high = direct.get(t.name, vocab if vocab is not None else DEFAULT_VOCAB)
             x = torch.from_numpy(rng.integers(0, max(high, 1), size=t.shape, dtype=np.int64)).to(t.dtype.torch)
-            why = "the embedding table's rows" if t.name in direct or vocab is not None else "no embedding table seen"
+            why = ("the rows it picks from" if t.name == LAST_TOKEN else "the embedding table's rows"
+                   if t.name in direct or vocab is not None else "no embedding table seen")
             origin = f"random ints in [0, {high}) ({why}; seed {seed})"
         feeds[t.name] = x
         infos.append(InputInfo(t.name, str(t.dtype), t.shape, origin))
@@ -426,6 +431,13 @@ def _match(om_names: Sequence[str], src: Mapping[str, torch.Tensor]) -> list[str
     return out
 
 
+def _at_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [b, S, ...] at row rows[i] of each sequence i, as [b, 1, ...] (other shapes as they are)."""
+    if x.dim() < 2 or x.shape[0] != rows.numel() or bool((rows >= x.shape[1]).any()):
+        return x
+    return x[torch.arange(x.shape[0]), rows.long().reshape(-1)].unsqueeze(1)
+
+
 # -- per layer -----------------------------------------------------------------------
 
 def _evaluate_reference(graph: Graph, feeds: Mapping[str, torch.Tensor], keep: set[str],
@@ -515,13 +527,20 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
         notes.append(f"the .om holds programs {', '.join(sess.programs)}; verified {program!r} (the first) from "
                      f"an empty KV cache; {', '.join(p for p in sess.programs if p != program)} not verified")
     feeds, infos = _file_inputs(prog, inputs_dir) if inputs_dir is not None else _random_inputs(sess, prog, seed)
+    # npuc's own input (the source has none): the row of each sequence the program computes.
+    meta = {m.key: m.value for m in sess.model.metadata}
+    rows = feeds.get(LAST_TOKEN) if meta.get("option.prefill_logits") == "last" else None
+    src_feeds = {k: v for k, v in feeds.items() if rows is None or k != LAST_TOKEN}
+    if rows is not None:
+        notes.append(f"{program!r} computes the outputs of row {LAST_TOKEN} of each sequence "
+                     f"({', '.join(map(str, rows.tolist()))}); the source's are compared at those rows")
 
     layer: _LayerComparer | None = None
     if per_layer:
         from npuc.compiler.driver import build_graph
 
-        graph, _ = build_graph(against, {t.name: t.shape for t in prog.inputs})
-        missing = sorted({v.name for v in graph.inputs} - set(feeds))
+        graph, _ = build_graph(against, {t.name: t.shape for t in prog.inputs if t.name in src_feeds})
+        missing = sorted({v.name for v in graph.inputs} - set(src_feeds))
         if missing:
             notes.append(f"per-layer skipped: the source graph's inputs {missing} are not the .om's")
         else:
@@ -531,7 +550,7 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
             layer = _LayerComparer(out_names, ref, float(atol), float(rtol))
 
     got = sess.run(feeds, program, copy_outputs=True, on_step=layer)
-    src = _RUNNERS[kind](against, feeds)
+    src = _RUNNERS[kind](against, src_feeds)
 
     outputs: list[OutputStat] = []
     om_names = [t.name for t in prog.outputs]
@@ -542,6 +561,8 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
                                       a.numel(), a.numel()))
             continue
         b = src[src_name]
+        if rows is not None and tuple(b.shape) != t.shape:
+            b = _at_rows(b, rows)
         if tuple(b.shape) != t.shape:
             outputs.append(OutputStat(t.name, src_name, str(t.dtype), t.shape, tuple(b.shape), math.nan, math.nan,
                                       math.nan, a.numel(), a.numel()))

@@ -121,6 +121,15 @@ def _gather(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     return True
 
 
+@out_kernel("index")
+def _index(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    # Prefill's last-token row (passes/last_token_logits.py); aten's out form allocates nothing.
+    if any(i.dtype != torch.int64 for i in xs[1:]):
+        return False
+    torch.ops.aten.index.Tensor_out(xs[0], list(xs[1:]), out=outs[0])
+    return True
+
+
 @out_kernel("pad")
 def _pad(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     x, pads, out = xs[0], a["pads"], outs[0]

@@ -94,6 +94,8 @@ class TargetAlignment(Pass):
             done = False
             if node.op == "linear":
                 done = self._linear(g, node)
+            elif node.op == "qlinear":
+                done = self._qlinear(g, node)
             elif node.op == "matmul":
                 done = self._matmul(g, node)
             elif node.op == "fused_attention":
@@ -128,6 +130,22 @@ class TargetAlignment(Pass):
         # The padded rows are never read: a kernel that honours valid_rows skips them.
         attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
         y = e.op("linear", ins, attrs, label="aligned")
+        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        return True
+
+    def _qlinear(self, g: Graph, node: Node) -> bool:
+        """Rows only: a quantized weight stays in its packed layout (a matrix unit with
+        quantized products tiles its own packing), so N and K are not padded."""
+        x = node.inputs[0]
+        if x.type.rank < 2:
+            return False
+        m = x.type.shape[-2]
+        m2 = _up(m, self.tile)
+        if m2 == m:
+            return False
+        e = _Emit(g, node)
+        attrs = dict(node.attrs) | {"valid_rows": node.attrs.get("valid_rows") or m}
+        y = e.op("qlinear", [e.pad(x, {-2: m2}), *node.inputs[1:]], attrs, label="aligned")
         self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
         return True
 

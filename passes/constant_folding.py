@@ -22,7 +22,8 @@ and a narrowing cast is folded always: left in the graph, it would convert the
 weight on every run. Left alone: other results larger than `max_bytes` (folding
 would add a second big copy, e.g. a transpose of an embedding table the gather still
 reads), anything else past `max_bytes` (a sum over a big weight, an expand), and
-graph outputs (they keep a producing node, so the runtime writes them).
+graph outputs (they keep a producing node, so the runtime writes them), and
+`dequantize` of a quantized weight (folding it would store the weight unpacked).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class ConstantFolding(Pass):
 
 
 def _fold(node: Node, max_bytes: int) -> bool:
-    if not all(v.is_const for v in node.inputs):
-        return False
+    if node.op == "dequantize" or not all(v.is_const for v in node.inputs):
+        return False  # a quantized weight stays packed in the .om: that is its point
     if foldable(node, max_bytes):
         return True
     if node.op not in _RETYPES or not node.inputs:

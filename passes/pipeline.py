@@ -10,19 +10,26 @@ from npuc.passes.constant_folding import ConstantFolding
 from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
 from npuc.passes.kv_cache import KVCache
+from npuc.passes.last_token_logits import LastTokenLogits
 from npuc.passes.manager import Pass
 from npuc.passes.mla_fusion import MLAFusion
 from npuc.passes.moe_fusion import MoEFusion
 from npuc.passes.precision import Precision
+from npuc.passes.quant_fusion import QuantFusion
+from npuc.passes.quantize import Quantize
 from npuc.passes.rmsnorm_fusion import RMSNormFusion
 from npuc.passes.rope_fusion import RoPEFusion
 from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 
 def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype: frozenset[str] = frozenset(),
-                     tile: int = 16, max_head_dim: int = 256, kv_cache: KVCache | None = None) -> list[Pass]:
+                     tile: int = 16, max_head_dim: int = 256, kv_cache: KVCache | None = None,
+                     last_token: LastTokenLogits | None = None, quantize: Quantize | None = None) -> list[Pass]:
     """`kv_cache` (a prefill or decode program of a model with --max_seq_len) runs once
-    attention is fused, before precision and alignment see the result."""
+    attention is fused, before precision and alignment see the result; so does
+    `last_token` (a prefill program computing the logits of one row). `quantize`
+    (--quant_type) stores the weights of the fused products packed; quant-fusion, which
+    always runs, makes products over packed weights (quantized or imported) read them so."""
     return [
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
@@ -36,7 +43,10 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         AttentionFusion(),
         MLAFusion(),                # DeepSeek's latent attention, before the cache is laid out
         *([kv_cache] if kv_cache is not None else []),
+        *([last_token] if last_token is not None else []),  # then precision and alignment see a 1-row head
         BiasFusion(),
+        *([quantize] if quantize is not None else []),  # once products and their biases are whole
+        QuantFusion(),
         Precision(precision_mode, keep_dtype),
         TargetAlignment(tile, max_head_dim),   # pad matrix products and attention to the tile
         ConstantFolding(),

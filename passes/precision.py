@@ -21,6 +21,10 @@ collapses to `%a` (also through reshapes and transposes, below), so runs of conv
 ops pass f16 between them, and the casts of constant weights fold lazily: the weights
 are stored in f16.
 
+Quantized products (`qlinear`, from `--quant_type w8a16|w4a16` or an imported quantized
+model) take 16-bit activations in every mode but force_fp32: f16 under the f16 modes,
+bf16 otherwise, even under must_keep_origin_dtype; the a16 in the quant type's name.
+
 Ops named in `keep` (node names, `--keep_dtype`) keep their precision. Norms and
 softmax accumulate in f32 inside their kernels whatever their storage dtype.
 
@@ -84,13 +88,15 @@ MODES = ("must_keep_origin_dtype", "force_fp32", "force_fp16", "allow_fp32_to_fp
 # Other names for a mode: ATC names its f16 mode allow_fp32_to_fp16, and users spell bf16 alike.
 ALIASES = {"allow_fp32_to_bf16": "allow_mix_precision_bf16"}
 # The matrix unit's ops. Those that read the KV cache convert with it (see above).
-CUBE_OPS = frozenset({"linear", "matmul", "fused_attention", "cached_attention", "mla_attention", "fused_moe"})
+CUBE_OPS = frozenset({"linear", "qlinear", "matmul", "fused_attention", "cached_attention", "mla_attention",
+                      "fused_moe"})
 # The ops that read a layer's KV cache (prefill's reads the rows it writes, decode's the state).
 ATTENTION = frozenset({"fused_attention", "cached_attention", "mla_attention"})
 # Operands a converted op keeps as they are: fused_moe routes in f32 (its kernel reads the
 # router in f32), since rounding the router's weights or bias can flip which experts a token gets.
-_KEEP_OPERANDS = {"fused_moe": frozenset({1, 4})}
-_NO_CONVERT = frozenset({"cast", "gather", "reshape", "transpose", "expand", "slice", "concat", "split", "kv_write"})
+_KEEP_OPERANDS = {"fused_moe": frozenset({1, 4}), "qlinear": frozenset({1, 2, 3})}  # qlinear: codes, scales, zeros
+_NO_CONVERT = frozenset({"cast", "gather", "reshape", "transpose", "expand", "slice", "concat", "split", "kv_write",
+                         "dequantize"})
 # Ops that only move values: a cast commutes with them exactly.
 _LAYOUT = frozenset({"reshape", "transpose"})
 
@@ -105,6 +111,10 @@ def check_mode(mode: str) -> str:
 
 
 def _target(mode: str, node: Node) -> DType | None:
+    if node.op == "qlinear" and mode != "force_fp32":
+        # w8a16 / w4a16: a quantized product takes 16-bit activations in every mode but
+        # force_fp32 (the host kernel widens codes, never activations, so this costs no speed)
+        return DType.f16 if mode in ("force_fp16", "allow_fp32_to_fp16") else DType.bf16
     if mode == "force_fp32":
         return DType.f32
     if mode == "force_fp16":
@@ -175,7 +185,7 @@ class Precision(Pass):
         mode = check_mode(self.mode)
         details: dict[str, list[str]] = {"converted": [], "kept": [], "reads_state": [], "caches": [],
                                          "rope_tables": [], "rope_tables_f32": []}
-        if mode == "must_keep_origin_dtype":
+        if mode == "must_keep_origin_dtype" and not any(n.op == "qlinear" for n in g.nodes):
             return PassResult(g, False)
         made: Casts = {}
         for st in list(g.states.values()):

@@ -5,6 +5,9 @@ A prompt shorter than the prefill length is padded on the right: attention is ca
 so the padding changes neither the logits at the prompt's last position nor the cache
 rows before it, and decode overwrites the rows after it before any query can see them.
 A prompt longer than the prefill length sends its remaining tokens through decode.
+A prefill compiled with `--prefill_logits last` (the default) takes the row to compute
+logits for as its `last_token` input and returns that row alone; one compiled with
+`all` (or by an npuc before the option) returns every row, and the last is read.
 Decoding stops after `max_new_tokens`, at an end-of-sequence token (unless ignored),
 or when the cache is full.
 """
@@ -24,6 +27,9 @@ import torch
 from npuc.errors import EXIT_USAGE, NpucError
 from npuc.runtime.session import Session
 
+# The prefill input naming the row whose logits it computes (passes/last_token_logits.py).
+LAST_TOKEN = "last_token"
+
 
 @dataclass(frozen=True)
 class GenerationInfo:
@@ -33,6 +39,7 @@ class GenerationInfo:
     eos: frozenset[int]
     ids_name: str
     vocab: int
+    last_token: bool = False  # prefill takes the row to compute logits for (LAST_TOKEN)
 
 
 def _vocab(s: Session, ids_name: str) -> int:
@@ -45,9 +52,11 @@ def generation_info(s: Session) -> GenerationInfo:
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
         raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
-    ids = s.programs["prefill"].inputs[0]
+    ids = next(t for t in s.programs["prefill"].inputs if t.name != LAST_TOKEN)
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
-    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name))
+    last = any(t.name == LAST_TOKEN for t in s.programs["prefill"].inputs)
+    return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name),
+                          last)
 
 
 def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> Iterator[int]:
@@ -78,7 +87,10 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     n = min(len(prompt), info.prefill_len)
     first = torch.zeros((1, info.prefill_len), dtype=torch.int64)
     first[0, :n] = torch.tensor(list(prompt[:n]), dtype=torch.int64)
-    logits = s.run({info.ids_name: first}, "prefill", copy_outputs=keep_logits)["logits"][0, n - 1]
+    feeds = {info.ids_name: first}
+    if info.last_token:
+        feeds[LAST_TOKEN] = torch.tensor([n - 1])
+    logits = s.run(feeds, "prefill", copy_outputs=keep_logits)["logits"][0, 0 if info.last_token else n - 1]
     decode = s.programs["decode"]
     pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
 

@@ -10,7 +10,10 @@ left to decide. Per step, the first that applies:
             weight once, as stored (layout nk or kn, f32 or bf16), and computes only the
             `valid_rows` of a tile-padded input; decode's small ops (rms_norm, rope_lut,
             kv_write, cached_attention, swiglu, add, f32/bf16 cast) in one native call each
-    prepacked  linear with many rows (prefill): oneDNN over weights packed at load
+    native-gemm  linear with many rows (prefill): runtime/native's GEMM over a copy of the
+            weight packed at load into 16-column panels; only the `valid_rows` computed
+    prepacked  the same without the native library (no compiler, NPUC_NATIVE=0): oneDNN
+            over weights packed at load
     out     the op's out-kernel (ir/out_kernels.py), falling back to the reference kernel
             for an operand combination it declines
     ref     the reference kernel, its result copied into the planned slot
@@ -24,18 +27,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from npuc.errors import EXIT_USAGE, NpucError
+from npuc.errors import EXIT_USAGE, InternalError, NpucError
 from npuc.ir import DType, OpDef, TensorType
 
 Launcher = Callable[[], Any]
 
-# At most this many rows (tokens) go to the GEMV kernel; more are a GEMM (prepacked, or torch's).
+# At most this many rows (tokens) go to the GEMV kernel; more are a GEMM (packed at load, or torch's).
 GEMV_MAX_ROWS = 8
 _VIEW_OPS = frozenset({"reshape", "transpose", "slice"})
 
@@ -104,6 +107,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
+def _row_calls(x: torch.Tensor, attrs: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """(first row, rows) of each kernel call for a product over x: its leading dims
+    flattened, or per leading index the `valid_rows` of a tile-padded axis -2."""
+    s = x.shape[-2] if x.dim() >= 2 else 1
+    lead = math.prod(x.shape[:-2]) if x.dim() >= 2 else 1
+    valid = attrs.get("valid_rows")
+    valid = s if valid is None or not 1 <= valid <= s else valid
+    return [(0, lead * s)] if valid == s else [(i * s, valid) for i in range(lead)]
+
+
+def _sequence(fs: Sequence[Launcher]) -> Launcher:
+    """One launcher for a step that makes several calls."""
+    if len(fs) == 1:
+        return fs[0]
+
+    def run_all() -> None:
+        for f in fs:
+            f()
+
+    return run_all
+
+
 def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     x, w = b.ins[0], b.ins[1]
     bias = b.ins[2] if len(b.ins) > 2 else None
@@ -114,15 +139,7 @@ def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
     n, k = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[1], w.shape[0])
     if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):
         return None
-    # Rows: the leading dims flattened, or per leading index the valid rows of a padded axis -2.
-    s = x.shape[-2] if x.dim() >= 2 else 1
-    lead = math.prod(x.shape[:-2]) if x.dim() >= 2 else 1
-    valid = b.attrs.get("valid_rows")
-    valid = s if valid is None or not 1 <= valid <= s else valid
-    if valid == s:
-        calls = [(0, lead * s)]  # (first row, rows)
-    else:
-        calls = [(i * s, valid) for i in range(lead)]
+    calls = _row_calls(x, b.attrs)
     if sum(r for _, r in calls) > GEMV_MAX_ROWS:
         return None
     fs = []
@@ -143,14 +160,7 @@ def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
                                         ls.threads))
     else:
         return None
-    if len(fs) == 1:
-        return fs[0]
-
-    def run_all() -> None:
-        for f in fs:
-            f()
-
-    return run_all
+    return _sequence(fs)
 
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -282,6 +292,81 @@ def _prepacked_linear(b: Bound, ls: Launchers) -> Launcher | None:
     return run
 
 
+def _native_gemm(b: Bound, ls: Launchers) -> Launcher | None:
+    """A product with many rows (prefill) on the CPU: runtime/native's GEMM over a copy of
+    the weight packed at load into 16-column panels (f32; a bf16 weight is widened once).
+    Only the `valid_rows` of a tile-padded input are computed, and the result is written in
+    place: no allocation per call."""
+    lib = ls.lib
+    assert lib is not None
+    x, w, y = b.ins[0], b.ins[1], b.outs[0]
+    bias = b.ins[2] if len(b.ins) > 2 else None
+    if not _contiguous(x, w, y, bias) or x.dim() < 2 or w.dim() != 2 or {x.dtype, y.dtype} - {F32, BF16} \
+            or w.dtype not in (F32, BF16) or (bias is not None and bias.dtype not in (F32, BF16)):
+        return None
+    kn = b.attrs["weight_layout"] == "kn"
+    n, k = (w.shape[1], w.shape[0]) if kn else (w.shape[0], w.shape[1])
+    if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):
+        return None
+    calls = _row_calls(x, b.attrs)
+    if sum(r for _, r in calls) <= GEMV_MAX_ROWS:
+        return None
+    packed = torch.empty(lib.npuc_gemm_packed_floats(n, k), dtype=F32)
+    lib.npuc_gemm_pack_b(w.data_ptr(), int(w.dtype == BF16), int(kn), n, k, packed.data_ptr(), ls.threads)
+    ls.keep(packed)
+    ls.packed_bytes += packed.numel() * 4
+    bias_f = ls.keep(bias.float().contiguous()) if bias is not None else None
+    xb, yb = int(x.dtype == BF16), int(y.dtype == BF16)
+    ws = ls.scratch(max(lib.npuc_gemm_scratch_floats(r, n, k, yb) for _, r in calls))
+    fs = [functools.partial(lib.npuc_gemm_f32, x.data_ptr() + row * k * x.element_size(), xb, rows, k,
+                            packed.data_ptr(), n, k, _ptr(bias_f), y.data_ptr() + row * n * y.element_size(), yb, n,
+                            ws.data_ptr(), ls.threads) for row, rows in calls]
+    return _sequence(fs)
+
+
+def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """A product over a quantized weight (ir/quant.py's layout): the codes are read as
+    stored, every call; the scales and zero points (small) are widened to f32 once, here.
+    Few rows: a GEMV over the codes; more: the GEMM, dequantizing 16-column panels as it
+    goes (nothing packed at load, so a quantized model stays small in memory too)."""
+    x, q, scale, zero = b.ins[:4]
+    bias = b.ins[4] if len(b.ins) > 4 else None
+    y = b.outs[0]
+    bits, g = b.attrs["bits"], b.attrs["group_size"]
+    if not _contiguous(x, q, scale, zero, y, bias) or x.dim() < 1 or {x.dtype, y.dtype} - {F32, BF16}:
+        return None
+    n, k = q.shape[0], x.shape[-1]
+    calls = _row_calls(x, b.attrs)
+    gemv = sum(r for _, r in calls) <= GEMV_MAX_ROWS
+    if gemv and bits == 4 and g % 16:
+        return None  # the 4-bit GEMV reads whole blocks of 16: the reference kernel's case
+    scale_f = ls.keep(scale.float().contiguous())
+    zero_f = ls.keep(zero.float().contiguous())
+    bias_f = ls.keep(bias.float().contiguous()) if bias is not None else None
+    xb, yb = int(x.dtype == BF16), int(y.dtype == BF16)
+    if gemv:
+        fn = lib.npuc_qlinear
+        ws = ls.scratch(max(lib.npuc_qlinear_scratch_floats(r, k, g) for _, r in calls))
+    else:
+        fn = lib.npuc_qgemm
+        ws = ls.scratch(max(lib.npuc_qgemm_scratch_floats(r, n, k, yb, ls.threads) for _, r in calls))
+    fs = [_checked_call(functools.partial(fn, x.data_ptr() + row * k * x.element_size(), xb, rows, k, q.data_ptr(),
+                                          bits, scale_f.data_ptr(), zero_f.data_ptr(), n, k, g, _ptr(bias_f),
+                                          y.data_ptr() + row * n * y.element_size(), yb, n, ws.data_ptr(),
+                                          ls.threads), b) for row, rows in calls]
+    return _sequence(fs)
+
+
+def _checked_call(f: Callable[[], int], b: Bound) -> Launcher:
+    """A native call that returns non-zero for arguments it does not take (the launcher
+    checked them: this is a bug, said as one)."""
+    def run() -> None:
+        if f():
+            raise InternalError(f"{b.opdef.name}: the native kernel refused its operands")
+
+    return run
+
+
 def _native_cast(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     x, out = b.ins[0], b.outs[0]
     if not _contiguous(x, out) or {x.dtype, out.dtype} - {F32, BF16} or x.shape != out.shape \
@@ -298,10 +383,16 @@ class Launchers:
     def __init__(self, lib: ctypes.CDLL | None, threads: int | None = None, prepack: bool = False) -> None:
         self.lib = lib
         self.threads = threads or torch.get_num_threads()
-        self.prepack = prepack and torch.backends.mkldnn.is_available()
+        self.prepack = prepack
         self.packed_bytes = 0
         self._scratch: list[torch.Tensor] = []  # kept alive: native calls hold their pointers
+        self._kept: list[torch.Tensor] = []
         self.kinds: dict[str, int] = {}
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """Keep `t` alive as long as the session: native calls hold its pointer."""
+        self._kept.append(t)
+        return t
 
     def scratch(self, floats: int) -> torch.Tensor:
         """Scratch of at least `floats` f32, shared by every step: steps run one at a time."""
@@ -324,7 +415,10 @@ class Launchers:
             if f is not None:
                 return "native", f
         if b.opdef.name == "linear" and self.prepack:
-            f = _prepacked_linear(b, self)
+            f = _native_gemm(b, self) if self.lib is not None and _declared_right(b) else None
+            if f is not None:
+                return "native-gemm", f
+            f = _prepacked_linear(b, self) if torch.backends.mkldnn.is_available() else None
             if f is not None:
                 return "prepacked", f
         return ("out" if b.opdef.out_kernel is not None else "ref"), _generic(b)
@@ -333,5 +427,5 @@ class Launchers:
 _NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] = {
     "linear": _native_linear, "rms_norm": _native_rms_norm, "rope_lut": _native_rope, "kv_write": _native_kv_write,
     "cached_attention": _native_cached_attention, "swiglu": _native_elementwise("npuc_swiglu_f32"),
-    "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast,
+    "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast, "qlinear": _native_qlinear,
 }

@@ -179,22 +179,30 @@ class Session:
                             "its programs are " + ", ".join(self.programs), exit_code=EXIT_USAGE)
         return self.programs[name]
 
-    def _tables(self, p: Program) -> dict[str, int]:
-        """Input name -> rows, for each input that directly indexes a weight table (token ids)."""
+    def _tables(self, p: Program) -> dict[str, tuple[int, bool]]:
+        """Input name -> (rows, whether a weight table), for each input that directly indexes
+        a tensor: a weight table (`gather`: token ids into an embedding) or an axis of a
+        computed tensor (`index`: prefill's last_token picks one of its S rows)."""
         names = dict(zip(p.input_ids, (t.name for t in p.inputs), strict=True))
-        found: dict[str, int] = {}
+        found: dict[str, tuple[int, bool]] = {}
         for st in p.steps:
             if st.opdef.name == "gather" and len(st.inputs) > 1 and st.inputs[1] in names:
                 table = self.tensors[st.inputs[0]]
                 if table.region == "weights" and table.shape:
                     found.setdefault(names[st.inputs[1]],
-                                     int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)]))
+                                     (int(table.shape[int(st.attrs.get("axis", 0)) % len(table.shape)]), True))
+            elif st.opdef.name == "index":
+                x = self.tensors[st.inputs[0]]
+                for axis, i in enumerate(st.inputs[1:len(x.shape) + 1]):
+                    if i in names:
+                        found.setdefault(names[i], (int(x.shape[axis]), x.region == "weights"))
         return found
 
     def index_rows(self, program: str | None = None) -> dict[str, int]:
-        """The rows of the weight table each input of `program` indexes directly (an embedding:
-        its token ids must lie in 0..rows-1); inputs that index none are absent."""
-        return dict(self._index_rows[self._program(program).name])
+        """The rows each input of `program` indexes directly: of a weight table (an embedding:
+        its token ids must lie in 0..rows-1), or of a computed tensor (prefill's last_token:
+        0..S-1); inputs that index nothing are absent."""
+        return {name: rows for name, (rows, _) in self._index_rows[self._program(program).name].items()}
 
     def run(self, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True,
             on_step: Callable[[str, str, list[torch.Tensor]], None] | None = None) -> dict[str, torch.Tensor]:
@@ -227,11 +235,18 @@ class Session:
                     raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the KV cache's "
                                     f"{self._cache_rows} rows", "positions run from 0 to --max_seq_len - 1",
                                     exit_code=EXIT_USAGE)
-            rows = self._index_rows[p.name].get(t.name, 0)
-            bad = next((i for i in x.reshape(-1).tolist() if not -rows <= i < rows), None) if rows else None
-            if bad is not None:
+            rows, table = self._index_rows[p.name].get(t.name, (0, True))
+            # The kernels count a negative index from the end; the row of last_token (which
+            # generate and verify feed) is 0..S-1, as documented.
+            low = 0 if t.name == "last_token" else -rows
+            bad = next((i for i in x.reshape(-1).tolist() if not low <= i < rows), None) if rows else None
+            if bad is not None and table:
                 raise NpucError("NPUC-E0108", f"input {t.name!r} holds {bad}, outside the {rows} rows of the table "
                                 "it indexes", f"its values index an embedding: 0..{rows - 1}", exit_code=EXIT_USAGE)
+            if bad is not None:
+                raise NpucError("NPUC-E0108", f"input {t.name!r} holds {bad}, outside the {rows} rows it picks from",
+                                f"its values are rows {low}..{rows - 1}" + (" (the prompt's last position: its "
+                                "length - 1)" if t.name == "last_token" else ""), exit_code=EXIT_USAGE)
             self.views[tid].copy_(x)
         views = self.views
         with torch.no_grad():

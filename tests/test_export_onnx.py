@@ -419,7 +419,7 @@ def test_kv_cache_programs_are_pure_functions_of_their_states(llama_kv_om: str, 
         s = export_onnx(llama_kv_om, paths[prog], program=prog)
         model = onnx.load(paths[prog])
         onnx.checker.check_model(model, full_check=True)
-        own = ["input_ids", "position"] if prog == "decode" else ["input_ids"]
+        own = ["input_ids", "position"] if prog == "decode" else ["input_ids", "last_token"]
         assert [i.name for i in model.graph.input] == own + states
         assert [o.name for o in model.graph.output] == ["logits"] + [f"{st}.out" for st in states]
         assert s.program == prog and s.programs == ("prefill", "decode") and s.states == tuple(states)
@@ -439,8 +439,10 @@ def test_kv_cache_programs_are_pure_functions_of_their_states(llama_kv_om: str, 
     prompt = rng.integers(0, 128, (1, 8)).astype(np.int64)
     cache = {st: np.zeros(tuple(t.shape), np.float32) for st in states
              for t in m.tensors if t.name == st}
-    got = reference_run(paths["prefill"], {"input_ids": prompt, **cache})
-    want = sess.run({"input_ids": prompt}, "prefill")
+    row = np.array([5], np.int64)  # prefill computes the logits of this row (--prefill_logits last)
+    got = reference_run(paths["prefill"], {"input_ids": prompt, "last_token": row, **cache})
+    want = sess.run({"input_ids": prompt, "last_token": row}, "prefill")
+    assert want["logits"].shape == (1, 1, 128)
     assert_same({"logits": got["logits"]}, {"logits": want["logits"]})
     for step, tok in enumerate([5, 77]):
         cache = {st: got[f"{st}.out"] for st in states}

@@ -74,7 +74,7 @@ def test_state_persists_between_runs_and_resets(gen_models: dict[str, Path]) -> 
     """Decode reads what prefill wrote: after a reset the same decode step gives other logits."""
     sess = Session.load(str(gen_models["llama"]))
     ids = torch.arange(PREFILL).reshape(1, PREFILL) + 3
-    sess.run({"input_ids": ids}, "prefill")
+    sess.run({"input_ids": ids, "last_token": torch.tensor([PREFILL - 1])}, "prefill")
     step = {"input_ids": torch.tensor([[5]]), "position": torch.tensor([PREFILL])}
     after_prefill = sess.run(step, "decode")["logits"]
     sess.reset_state()
@@ -94,6 +94,10 @@ def test_info_reports_tight_plans_for_both_programs(arch: str, gen_models: dict[
     assert info["arena_bytes"] == max(p["arena_bytes"] for p in progs.values())
     assert progs["decode"]["inputs"] == [{"name": "input_ids", "dtype": "i64", "shape": [1, 1]},
                                          {"name": "position", "dtype": "i64", "shape": [1]}]
+    # Prefill computes the logits of the row last_token names (--prefill_logits last, the default).
+    assert progs["prefill"]["inputs"] == [{"name": "input_ids", "dtype": "i64", "shape": [1, PREFILL]},
+                                          {"name": "last_token", "dtype": "i64", "shape": [1]}]
+    assert info["metadata"]["option.prefill_logits"] == "last"
     assert info["metadata"]["max_seq_len"] == str(MAX_SEQ)
     assert "ok:" in validate_om(str(gen_models[arch]))
 
@@ -232,7 +236,7 @@ def test_prefill_holds_no_memory_beyond_its_outputs(gen_models: dict[str, Path])
     from npuc.runtime.alloc_profile import profile_run
 
     sess = Session.load(str(gen_models["deepseek_v3"]))
-    ids = {"input_ids": torch.zeros(1, PREFILL, dtype=torch.int64)}
+    ids = {"input_ids": torch.zeros(1, PREFILL, dtype=torch.int64), "last_token": torch.tensor([PREFILL - 1])}
     sess.run(ids, "prefill")
     r = profile_run(sess, ids, "prefill")
     assert r.count > 1 and r.net_bytes == r.output_bytes
@@ -248,9 +252,11 @@ def test_decode_position_outside_the_cache_is_a_user_error(gen_models: dict[str,
 def test_token_ids_outside_the_embedding_are_a_user_error(gen_models: dict[str, Path], tmp_path: Path) -> None:
     import numpy as np
 
-    ids = tmp_path / "ids.npy"
+    ids, last = tmp_path / "ids.npy", tmp_path / "last.npy"
     np.save(ids, np.array([[5, 500, 3, 4, 5, 6, 7, 8]], dtype=np.int64))
+    np.save(last, np.array([PREFILL - 1], dtype=np.int64))
     r = subprocess.run([sys.executable, "-m", "npuc", "run", str(gen_models["llama"]), "--input", f"input_ids={ids}",
-                        "--output-dir", str(tmp_path / "out")], capture_output=True, text=True)
+                        "--input", f"last_token={last}", "--output-dir", str(tmp_path / "out")],
+                       capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "NPUC-E0108" in r.stderr and "holds 500, outside the 128 rows" in r.stderr

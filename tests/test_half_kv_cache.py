@@ -105,7 +105,10 @@ def _forced(s: Session, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The logits each of `tokens` is chosen from, with `tokens` fed back (not s's own choice)."""
     info = generation_info(s)
     s.reset_state()
-    rows = [s.run({info.ids_name: torch.tensor([prompt])}, "prefill")["logits"][0, -1]]
+    feeds = {info.ids_name: torch.tensor([prompt])}
+    if info.last_token:  # prefill computes the logits of the prompt's last row alone
+        feeds["last_token"] = torch.tensor([len(prompt) - 1])
+    rows = [s.run(feeds, "prefill")["logits"][0, -1]]
     pos = next(t.name for t in s.programs["decode"].inputs if t.name != info.ids_name)
     for i, t in enumerate(tokens[:-1]):
         out = s.run({info.ids_name: torch.tensor([[t]]), pos: torch.tensor([len(prompt) + i])}, "decode")

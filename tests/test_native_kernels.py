@@ -122,6 +122,94 @@ def test_linear_prepacked_for_many_rows(layout: str, bias: bool, dtype: torch.dt
     _close(out, want, dtype)
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m, n, k", [(GEMV_MAX_ROWS + 1, 16, 8), (40, 72, 96), (131, 1030, 1100)])
+def test_linear_native_gemm_for_many_rows(lib: Any, layout: str, bias: bool, m: int, n: int, k: int) -> None:
+    """Rows and columns that are no multiple of the 6x16 tile, and K over several blocks."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(1, m, k, generator=g)
+    w = torch.randn(n, k, generator=g) if layout == "nk" else torch.randn(k, n, generator=g)
+    ins = [x, w] + ([torch.randn(n, generator=g)] if bias else [])
+    attrs = {"weight_layout": layout}
+    want = _ref("linear", ins, attrs)
+    od = get_op("linear")
+    ls = Launchers(lib, prepack=True)
+    out = torch.full(want.shape, float("nan"))
+    kind, f = ls._choose(Bound(od, od.full_attrs(attrs), ins, [out], None))
+    assert kind == "native-gemm" and f is not None and ls.packed_bytes >= n * k * 4
+    f()
+    _close(out, want)
+    w[:] = float("nan")  # the packed copy is what runs, not the mapped weight
+    out[:] = float("nan")
+    f()
+    _close(out, want)
+
+
+def test_linear_native_gemm_bf16(lib: Any) -> None:
+    """bf16 weights are widened at load; the bf16 output is the f32 sum rounded once."""
+    xdt = torch.bfloat16  # what the precision pass makes: one dtype for every operand
+    g = torch.Generator().manual_seed(7)
+    x, w, bias = torch.randn(1, 37, 200, generator=g), torch.randn(50, 200, generator=g), torch.randn(50, generator=g)
+    ins = [x.to(xdt), w.to(torch.bfloat16), bias.to(torch.bfloat16)]
+    want = ins[0].float() @ ins[1].float().t() + ins[2].float()
+    od = get_op("linear")
+    out = torch.empty(1, 37, 50, dtype=xdt)
+    ls = Launchers(lib, prepack=True)  # owns the packed weight: kept while its launcher runs
+    kind, f = ls._choose(Bound(od, od.full_attrs({}), ins, [out], None))
+    assert kind == "native-gemm" and f is not None
+    f()
+    _close(out, want, xdt)
+
+
+@pytest.mark.parametrize("lead", [1, 3])
+def test_linear_native_gemm_computes_only_valid_rows(lib: Any, lead: int) -> None:
+    x, w = torch.randn(lead, 32, 48), torch.randn(40, 48)
+    attrs = {"valid_rows": 20}
+    want = _ref("linear", [x, w], attrs)
+    od = get_op("linear")
+    out = torch.full(want.shape, float("nan"))
+    ls = Launchers(lib, prepack=True)
+    kind, f = ls._choose(Bound(od, od.full_attrs(attrs), [x, w], [out], None))
+    assert kind == "native-gemm" and f is not None
+    f()
+    _close(out[:, :20], want[:, :20])
+    assert out[:, 20:].isnan().all()
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(8, None, True), (8, 32, True), (4, 128, False), (4, 32, True)])
+@pytest.mark.parametrize("rows", [1, 5, GEMV_MAX_ROWS + 1, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qlinear(lib: Any, bits: int, group: int | None, symmetric: bool, rows: int, dtype: torch.dtype) -> None:
+    """The quantized GEMV (few rows) and GEMM (more) against the reference's dequantize-then-product."""
+    from npuc.ir.quant import quantize_rtn
+
+    g = torch.Generator().manual_seed(bits * rows)
+    n, k = 70, 256
+    q, scale, zero = quantize_rtn(torch.randn(n, k, generator=g), bits, group or k, symmetric)
+    ins = [torch.randn(1, rows, k, generator=g).to(dtype), q, scale, zero, torch.randn(n, generator=g).to(dtype)]
+    attrs = {"bits": bits, "group_size": group or k}
+    want = _ref("qlinear", ins, attrs)
+    kind, (got,) = _launch(lib, "qlinear", ins, attrs, [want])
+    assert kind == "native"
+    _close(got, want, dtype)
+
+
+def test_qlinear_valid_rows(lib: Any) -> None:
+    from npuc.ir.quant import quantize_rtn
+
+    q, scale, zero = quantize_rtn(torch.randn(40, 64), 4, 32, False)
+    for m in (16, 32):  # the GEMV and the GEMM
+        x = torch.randn(2, m, 64)
+        attrs = {"bits": 4, "group_size": 32, "valid_rows": 3 if m == 16 else 20}
+        want = _ref("qlinear", [x, q, scale, zero], attrs)
+        kind, (got,) = _launch(lib, "qlinear", [x, q, scale, zero], attrs, [want])
+        v = attrs["valid_rows"]
+        assert kind == "native"
+        _close(got[:, :v], want[:, :v])
+        assert got[:, v:].isnan().all()
+
+
 @pytest.mark.parametrize("k", [768, 27])
 def test_linear_bf16_weights(lib: Any, k: int) -> None:
     xdt = ydt = torch.bfloat16  # what the precision pass makes: one dtype for every operand
@@ -259,8 +347,9 @@ def llama_gen(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPath
     from npuc.compiler.driver import compile_model
 
     root = tmp_path_factory.mktemp("native")
+    # Every row's logits: the prefill test below checks the LM head's GEMM over all 16 rows too.
     return {soc: Path(compile_model(str(hf_checkpoints["llama"]), input_shape=f"input_ids:1,{PREFILL}",
-                                    output=str(root / soc), max_seq_len=32, soc_version=soc))
+                                    output=str(root / soc), max_seq_len=32, soc_version=soc, prefill_logits="all"))
             for soc in ("npu", "cpu")}
 
 
@@ -286,9 +375,8 @@ def test_prefill_with_packed_weights_matches_the_torch_kernels(llama_gen: dict[s
     fast = Session.load(str(llama_gen["cpu"]), prepack=True)
     slow = Session.load(str(llama_gen["cpu"]), use_native=False)
     lean = Session.load(str(llama_gen["cpu"]), prepack=False)
-    if torch.backends.mkldnn.is_available():
-        assert fast.launchers.kinds.get("prepacked", 0) > 0 and fast.launchers.packed_bytes > 0
-    assert "prepacked" not in lean.launchers.kinds and lean.launchers.packed_bytes == 0
+    assert fast.launchers.kinds.get("native-gemm", 0) > 0 and fast.launchers.packed_bytes > 0
+    assert not {"prepacked", "native-gemm"} & set(lean.launchers.kinds) and lean.launchers.packed_bytes == 0
     ids = {"input_ids": torch.arange(3, 3 + PREFILL).reshape(1, PREFILL)}
     want = slow.run(ids, "prefill")["logits"]
     for s in (fast, lean):

@@ -100,6 +100,12 @@ def test_multi_program_om_verifies_prefill(hf_checkpoints: dict[str, Path], tmp_
     r = verify(om, str(hf_checkpoints["llama"]), per_layer=True)
     assert r.ok and r.program == "prefill" and r.programs == ["prefill", "decode"]
     assert any("prefill" in n and "decode not verified" in n for n in r.notes)
+    # Prefill computes the logits of one row (--prefill_logits last): the source's are compared there.
+    (o,) = r.outputs
+    assert o.shape == o.source_shape == (1, 1, 128) and 0 < o.max_abs < 1e-4
+    assert [i.name for i in r.inputs] == ["input_ids", "last_token"]
+    assert r.inputs[1].origin.startswith("random ints in [0, 16) (the rows it picks from")
+    assert any("row last_token of each sequence" in n for n in r.notes)
     assert r.per_layer is not None and r.per_layer.first is None
     assert r.per_layer.skipped > 0  # the KV-cache writes have no counterpart in the source graph
     assert "decode not verified" in render_report(r)

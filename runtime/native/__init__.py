@@ -1,7 +1,7 @@
 """Native CPU kernels: kernels.c, compiled for this host the first time a model loads.
 
 The source ships with npuc and is built with the system C compiler (`$CC`, else `cc`),
-`-O3 -march=native -fopenmp`, into a per-user cache keyed by the source, the flags, the
+`-O3 -march=native`, into a per-user cache keyed by the source, the flags, the
 compiler and the CPU's feature flags; later loads reuse the library. Code tuned to the
 host's ISA belongs here, at load time, never in the `.om` (which stays portable). Where
 no compiler works, or `NPUC_NATIVE=0`, `library()` is None and the runtime runs its
@@ -24,16 +24,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loads torch's libgomp first: the kernels then share its thread pool)
-
 log = logging.getLogger("npuc")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-ABI = 1
+ABI = 3
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno")
 _LIBS = ("-lm", "-lpthread")
-# Tried in order: the host's ISA with threads, then without -march (an old or cross compiler),
-# then without OpenMP (a compiler without it: the kernels run on one thread).
+# Tried in order: the host's ISA, then without -march (an old or cross compiler: the plain C paths).
 _VARIANTS = (("-march=native",), ())
 
 I64 = ctypes.c_int64
@@ -96,8 +93,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64]
     lib.npuc_add_f32.argtypes = [PTR, PTR, PTR, I64]
     lib.npuc_cast.argtypes = [PTR, INT, PTR, INT, I64]
+    lib.npuc_gemm_packed_floats.argtypes = [I64, I64]
+    lib.npuc_gemm_packed_floats.restype = I64
+    lib.npuc_gemm_scratch_floats.argtypes = [I64, I64, I64, INT]
+    lib.npuc_gemm_scratch_floats.restype = I64
+    lib.npuc_gemm_pack_b.argtypes = [PTR, INT, INT, I64, I64, PTR, INT]
+    lib.npuc_gemm_f32.argtypes = [PTR, INT, I64, I64, PTR, I64, I64, PTR, PTR, INT, I64, PTR, INT]
+    lib.npuc_qlinear_scratch_floats.argtypes = [I64, I64, I64]
+    lib.npuc_qlinear_scratch_floats.restype = I64
+    lib.npuc_qgemm_scratch_floats.argtypes = [I64, I64, I64, INT, INT]
+    lib.npuc_qgemm_scratch_floats.restype = I64
+    # x, xbf, M, xs, q, bits, scale, zero, N, K, G, bias, y, ybf, ys, scratch, nt
+    for name in ("npuc_qlinear", "npuc_qgemm"):
+        getattr(lib, name).argtypes = [PTR, INT, I64, I64, PTR, INT, PTR, PTR, I64, I64, I64, PTR, PTR, INT, I64, PTR,
+                                       INT]
     for name in ("npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32", "npuc_rope_f32", "npuc_kv_write",
-                 "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast"):
+                 "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast", "npuc_gemm_pack_b",
+                 "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm"):
         getattr(lib, name).restype = INT
     return lib
 

@@ -427,6 +427,348 @@ int npuc_linear_bf16(const void *x, int xbf, i64 M, i64 xs, const bf16 *w, i64 N
     return 0;
 }
 
+/* ---- GEMM for products with many rows (prefill), over weights packed at load ------------
+ *
+ * The weight is packed once, at load, into panels of 16 output columns: panel j holds
+ * w(16j + c, k) at [j][k][c], zero past N, always f32 (bf16 is widened there: this is the
+ * compute-bound case, and an f32 FMA beats emulated bf16 arithmetic). Each call packs x
+ * into panels of 6 rows ([p][k][r], zero past M), then a 6x16 register tile runs over
+ * blocks of K: the B micro-panel (kc x 16) stays in L1 while the A panels of that block,
+ * in L2, go by. Threads take chunks of column panels. Accumulation is f32; a bf16 y is
+ * rounded once, from f32 scratch, after the last block. */
+
+#define GEMM_MR 6
+#define GEMM_NR 16
+#define GEMM_KC 512
+#define GEMM_PANELS_PER_CHUNK 8 /* a chunk's C columns (128 rows x 128 floats) stay in L2 */
+
+i64 npuc_gemm_packed_floats(i64 N, i64 K) { return (N + GEMM_NR - 1) / GEMM_NR * GEMM_NR * K; }
+
+/* w as stored (f32 or bf16; layout nk or kn) into `packed` (npuc_gemm_packed_floats). */
+typedef struct { const void *w; int wbf, kn; i64 N, K; float *packed; } pack_b_job;
+
+static void pack_b_chunk(const void *p, i64 j, int tid) {
+    const pack_b_job *b = p;
+    (void)tid;
+    float *dst = b->packed + j * b->K * GEMM_NR;
+    for (i64 k = 0; k < b->K; k++)
+        for (i64 c = 0; c < GEMM_NR; c++) {
+            i64 n = j * GEMM_NR + c;
+            dst[k * GEMM_NR + c] = n < b->N ? load_any(b->w, b->wbf, b->kn ? k * b->N + n : n * b->K + k) : 0.0f;
+        }
+}
+
+int npuc_gemm_pack_b(const void *w, int wbf, int kn, i64 N, i64 K, float *packed, int nt) {
+    pack_b_job b = {w, wbf, kn, N, K, packed};
+    parallel(pack_b_chunk, &b, (N + GEMM_NR - 1) / GEMM_NR, threads_for(N * K * 4, nt));
+    return 0;
+}
+
+/* c[r, 0..nr) (+)= sum_k a[k][r] * b[k][c] for r < mr, over kc values of k. */
+static void gemm_tile(i64 kc, const float *a, const float *b, float *c, i64 cs, int first, const float *bias,
+                      int mr, int nr) {
+    float tile[GEMM_MR * GEMM_NR];
+#ifdef NPUC_AVX2
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+           c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (i64 k = 0; k < kc; k++, a += GEMM_MR, b += GEMM_NR) {
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), av;
+        av = _mm256_broadcast_ss(a + 0); c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
+        av = _mm256_broadcast_ss(a + 1); c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
+        av = _mm256_broadcast_ss(a + 2); c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
+        av = _mm256_broadcast_ss(a + 3); c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
+        av = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
+        av = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+    }
+    _mm256_storeu_ps(tile + 0, c00); _mm256_storeu_ps(tile + 8, c01);
+    _mm256_storeu_ps(tile + 16, c10); _mm256_storeu_ps(tile + 24, c11);
+    _mm256_storeu_ps(tile + 32, c20); _mm256_storeu_ps(tile + 40, c21);
+    _mm256_storeu_ps(tile + 48, c30); _mm256_storeu_ps(tile + 56, c31);
+    _mm256_storeu_ps(tile + 64, c40); _mm256_storeu_ps(tile + 72, c41);
+    _mm256_storeu_ps(tile + 80, c50); _mm256_storeu_ps(tile + 88, c51);
+#else
+    for (int i = 0; i < GEMM_MR * GEMM_NR; i++) tile[i] = 0.0f;
+    for (i64 k = 0; k < kc; k++, a += GEMM_MR, b += GEMM_NR)
+        for (int r = 0; r < GEMM_MR; r++)
+            for (int q = 0; q < GEMM_NR; q++) tile[r * GEMM_NR + q] += a[r] * b[q];
+#endif
+    for (int r = 0; r < mr; r++) {
+        float *cr = c + r * cs;
+        const float *t = tile + r * GEMM_NR;
+        if (first) {
+            if (bias) for (int q = 0; q < nr; q++) cr[q] = t[q] + bias[q];
+            else for (int q = 0; q < nr; q++) cr[q] = t[q];
+        } else {
+            for (int q = 0; q < nr; q++) cr[q] += t[q];
+        }
+    }
+}
+
+typedef struct {
+    const void *x; int xbf; i64 M, xs, N, K; const float *packed, *bias; float *c; i64 cs;
+    void *y; i64 ys; float *apack; i64 per;
+} gemm_job;
+
+static void gemm_pack_a_chunk(const void *p, i64 panel, int tid) {
+    const gemm_job *j = p;
+    (void)tid;
+    float *dst = j->apack + panel * j->K * GEMM_MR;
+    for (i64 k = 0; k < j->K; k++)
+        for (int r = 0; r < GEMM_MR; r++) {
+            i64 m = panel * GEMM_MR + r;
+            dst[k * GEMM_MR + r] = m < j->M ? load_any(j->x, j->xbf, m * j->xs + k) : 0.0f;
+        }
+}
+
+/* A bf16 y: the f32 sums of column panels [lo, hi), rounded once. */
+static void gemm_round_chunk(const gemm_job *j, i64 lo, i64 hi) {
+    if (!j->y) return;
+    i64 n0 = lo * GEMM_NR, n1 = hi * GEMM_NR < j->N ? hi * GEMM_NR : j->N;
+    for (i64 m = 0; m < j->M; m++)
+        for (i64 n = n0; n < n1; n++) ((bf16 *)j->y)[m * j->ys + n] = f32_to_bf16(j->c[m * j->cs + n]);
+}
+
+static void gemm_chunk(const void *p, i64 chunk, int tid) {
+    const gemm_job *j = p;
+    (void)tid;
+    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K, mp = (j->M + GEMM_MR - 1) / GEMM_MR;
+    i64 lo = chunk * j->per, hi = lo + j->per < panels ? lo + j->per : panels;
+    i64 blocks = (K + GEMM_KC - 1) / GEMM_KC, kcb = (K + blocks - 1) / blocks;
+    for (i64 k0 = 0; k0 < K; k0 += kcb) {
+        i64 kc = K - k0 < kcb ? K - k0 : kcb;
+        for (i64 jp = lo; jp < hi; jp++) {
+            const float *b = j->packed + jp * K * GEMM_NR + k0 * GEMM_NR;
+            int nr = j->N - jp * GEMM_NR < GEMM_NR ? (int)(j->N - jp * GEMM_NR) : GEMM_NR;
+            for (i64 ip = 0; ip < mp; ip++) {
+                int mr = j->M - ip * GEMM_MR < GEMM_MR ? (int)(j->M - ip * GEMM_MR) : GEMM_MR;
+                gemm_tile(kc, j->apack + ip * K * GEMM_MR + k0 * GEMM_MR, b,
+                          j->c + ip * GEMM_MR * j->cs + jp * GEMM_NR, j->cs, k0 == 0,
+                          j->bias ? j->bias + jp * GEMM_NR : NULL, mr, nr);
+            }
+        }
+    }
+    gemm_round_chunk(j, lo, hi);
+}
+
+/* y[M, N] = x[M, K] (f32 or bf16, row stride xs) times the packed weight, plus bias (f32,
+ * N, or NULL; its panels' padding is never read). y is f32 or bf16 (row stride ys).
+ * `scratch` holds npuc_gemm_scratch_floats(M, N, K, ybf) floats. */
+i64 npuc_gemm_scratch_floats(i64 M, i64 N, i64 K, int ybf) {
+    return (M + GEMM_MR - 1) / GEMM_MR * GEMM_MR * K + (ybf ? M * N : 0);
+}
+
+int npuc_gemm_f32(const void *x, int xbf, i64 M, i64 xs, const float *packed, i64 N, i64 K, const float *bias,
+                  void *y, int ybf, i64 ys, float *scratch, int nt) {
+    i64 mp = (M + GEMM_MR - 1) / GEMM_MR, panels = (N + GEMM_NR - 1) / GEMM_NR;
+    float *apack = scratch;
+    gemm_job j = {x, xbf, M, xs, N, K, packed, bias, ybf ? scratch + mp * GEMM_MR * K : (float *)y,
+                  ybf ? N : ys, ybf ? y : NULL, ys, apack, 0};
+    nt = threads_for(M * N * K, nt);
+    parallel(gemm_pack_a_chunk, &j, mp, threads_for(M * K * 4, nt));
+    i64 per = (panels + 4 * nt - 1) / (4 * nt);
+    j.per = per < GEMM_PANELS_PER_CHUNK ? per : GEMM_PANELS_PER_CHUNK;
+    if (j.per < 1) j.per = 1;
+    parallel(gemm_chunk, &j, (panels + j.per - 1) / j.per, nt);
+    return 0;
+}
+
+/* ---- quantized weights (ir/quant.py): codes i8 [N, K] (bits 8) or u8 [N, K/2] (bits 4,
+ * weight 2i in the low nibble), scale and zero point per group of G along K, both given
+ * here as f32 [N, K/G] (the launcher widens stored ones once, at load):
+ *
+ *   y[m, n] = sum_g scale[n, g] * (sum_{k in g} code(n, k) * x[m, k] - zero[n, g] * xsum[m, g]) + bias[n]
+ *
+ * so the inner loop is a plain dot product of codes and x, and each group's zero point
+ * costs one multiply against the group's sum of x, computed once per call. */
+
+static inline float code_at(const uint8_t *q, int bits, i64 K, i64 n, i64 k) {
+    if (bits == 8) return (float)((const int8_t *)q)[n * K + k];
+    uint8_t b = q[n * (K / 2) + k / 2];
+    return (float)((k & 1) ? b >> 4 : b & 15);
+}
+
+#ifdef NPUC_AVX2
+static inline __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* Sums of four int8 code rows (w, w+K, ...) against x over [k0, k1). */
+static void dot4_i8(const float *x, const int8_t *w, i64 K, i64 k0, i64 k1, float *out) {
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    i64 k = k0;
+#ifdef NPUC_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; k + 8 <= k1; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(load8_i8(w + k), xv, a0);
+        a1 = _mm256_fmadd_ps(load8_i8(w + K + k), xv, a1);
+        a2 = _mm256_fmadd_ps(load8_i8(w + 2 * K + k), xv, a2);
+        a3 = _mm256_fmadd_ps(load8_i8(w + 3 * K + k), xv, a3);
+    }
+    s0 = hsum(a0); s1 = hsum(a1); s2 = hsum(a2); s3 = hsum(a3);
+#endif
+    for (; k < k1; k++) {
+        float xv = x[k];
+        s0 += w[k] * xv; s1 += w[K + k] * xv; s2 += w[2 * K + k] * xv; s3 += w[3 * K + k] * xv;
+    }
+    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
+}
+
+/* The same for 4-bit rows (K/2 bytes apart) over [k0, k1), both multiples of 16: x is
+ * deinterleaved per 16 (xd, see deinterleave16), so low nibbles meet the even x and high
+ * nibbles the odd ones. */
+static void dot4_u4(const float *xd, const uint8_t *w, i64 K, i64 k0, i64 k1, float *out) {
+    const i64 rb = K / 2;
+    float s[4] = {0, 0, 0, 0};
+#ifdef NPUC_AVX2
+    const __m256i lo4 = _mm256_set1_epi32(15);
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (i64 k = k0; k < k1; k += 16) {
+        __m256 xe = _mm256_loadu_ps(xd + k), xo = _mm256_loadu_ps(xd + k + 8);
+        for (int r = 0; r < 4; r++) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * rb + k / 2)));
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo4)), xe, a[r]);
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), xo, a[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) s[r] = hsum(a[r]);
+#else
+    for (i64 k = k0; k < k1; k += 16)
+        for (int j = 0; j < 8; j++)
+            for (int r = 0; r < 4; r++) {
+                uint8_t b = w[r * rb + k / 2 + j];
+                s[r] += (float)(b & 15) * xd[k + j] + (float)(b >> 4) * xd[k + 8 + j];
+            }
+#endif
+    for (int r = 0; r < 4; r++) out[r] = s[r];
+}
+
+typedef struct {
+    const float *xf, *xd, *xsum; i64 M, K, N, G; const uint8_t *q; int bits; const float *scale, *zero, *bias;
+    void *y; int ybf; i64 ys, per;
+} qlinear_job;
+
+static void qlinear_chunk(const void *p, i64 c, int tid) {
+    const qlinear_job *j = p;
+    (void)tid;
+    const i64 K = j->K, G = j->G, groups = K / G;
+    i64 lo = c * j->per, hi = lo + j->per < j->N ? lo + j->per : j->N;
+    for (i64 n = lo; n < hi; n += 4) {
+        i64 rows = hi - n < 4 ? hi - n : 4;
+        for (i64 m = 0; m < j->M; m++) {
+            float acc[4] = {0, 0, 0, 0};
+            for (i64 g = 0; g < groups; g++) {
+                float d[4];
+                if (rows == 4 && j->bits == 8)
+                    dot4_i8(j->xf + m * K, (const int8_t *)j->q + n * K, K, g * G, (g + 1) * G, d);
+                else if (rows == 4)
+                    dot4_u4(j->xd + m * K, j->q + n * (K / 2), K, g * G, (g + 1) * G, d);
+                else
+                    for (i64 r = 0; r < rows; r++) {
+                        float s = 0;
+                        for (i64 k = g * G; k < (g + 1) * G; k++) s += code_at(j->q, j->bits, K, n + r, k) * j->xf[m * K + k];
+                        d[r] = s;
+                    }
+                for (i64 r = 0; r < rows; r++) {
+                    i64 at = (n + r) * groups + g;
+                    acc[r] += j->scale[at] * (d[r] - j->zero[at] * j->xsum[m * groups + g]);
+                }
+            }
+            for (i64 r = 0; r < rows; r++)
+                store_any(j->y, j->ybf, m * j->ys + n + r, acc[r] + (j->bias ? j->bias[n + r] : 0.0f));
+        }
+    }
+}
+
+/* Floats of scratch npuc_qlinear needs: x widened, deinterleaved, and its group sums. */
+i64 npuc_qlinear_scratch_floats(i64 M, i64 K, i64 G) { return 2 * M * K + M * (K / G); }
+
+/* Few rows (decode): each code read once, as stored. x and y f32 or bf16 (flags); G
+ * divides K, and for 4 bits is a multiple of 16. */
+int npuc_qlinear(const void *x, int xbf, i64 M, i64 xs, const uint8_t *q, int bits, const float *scale,
+                 const float *zero, i64 N, i64 K, i64 G, const float *bias, void *y, int ybf, i64 ys,
+                 float *scratch, int nt) {
+    if (G < 1 || K % G || (bits == 4 && G % 16) || (bits != 4 && bits != 8)) return 1;
+    float *xf = scratch, *xd = scratch + M * K, *xsum = scratch + 2 * M * K;
+    const i64 groups = K / G;
+    for (i64 m = 0; m < M; m++) {
+        for (i64 k = 0; k < K; k++) xf[m * K + k] = load_any(x, xbf, m * xs + k);
+        if (bits == 4) deinterleave16(xf + m * K, K, xd + m * K);
+        for (i64 g = 0; g < groups; g++) {
+            float s = 0;
+            for (i64 k = g * G; k < (g + 1) * G; k++) s += xf[m * K + k];
+            xsum[m * groups + g] = s;
+        }
+    }
+    nt = threads_for(N * K * bits / 8, nt);
+    qlinear_job j = {xf, xd, xsum, M, K, N, G, q, bits, scale, zero, bias, y, ybf, ys, chunk_size(N, 16, nt)};
+    parallel(qlinear_chunk, &j, (N + j.per - 1) / j.per, nt);
+    return 0;
+}
+
+/* Many rows (prefill): the GEMM above, its 16-column weight panels dequantized per block
+ * of K into a per-thread buffer as the chunk reaches them (each serves every row panel
+ * of x), so no f32 copy of the weight is ever kept. */
+typedef struct {
+    gemm_job g; const uint8_t *q; int bits; const float *scale, *zero; i64 G; float *panels;
+} qgemm_job;
+
+static void qgemm_chunk(const void *p, i64 chunk, int tid) {
+    const qgemm_job *qj = p;
+    const gemm_job *j = &qj->g;
+    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K, mp = (j->M + GEMM_MR - 1) / GEMM_MR;
+    i64 lo = chunk * j->per, hi = lo + j->per < panels ? lo + j->per : panels;
+    i64 blocks = (K + GEMM_KC - 1) / GEMM_KC, kcb = (K + blocks - 1) / blocks, groups = K / qj->G;
+    float *b = qj->panels + (i64)tid * kcb * GEMM_NR;
+    for (i64 k0 = 0; k0 < K; k0 += kcb) {
+        i64 kc = K - k0 < kcb ? K - k0 : kcb;
+        for (i64 jp = lo; jp < hi; jp++) {
+            int nr = j->N - jp * GEMM_NR < GEMM_NR ? (int)(j->N - jp * GEMM_NR) : GEMM_NR;
+            for (i64 k = 0; k < kc; k++) {
+                i64 kk = k0 + k, g = kk / qj->G;
+                for (int c = 0; c < GEMM_NR; c++) {
+                    i64 n = jp * GEMM_NR + c;
+                    b[k * GEMM_NR + c] = c < nr ? (code_at(qj->q, qj->bits, K, n, kk) - qj->zero[n * groups + g])
+                                                  * qj->scale[n * groups + g] : 0.0f;
+                }
+            }
+            for (i64 ip = 0; ip < mp; ip++) {
+                int mr = j->M - ip * GEMM_MR < GEMM_MR ? (int)(j->M - ip * GEMM_MR) : GEMM_MR;
+                gemm_tile(kc, j->apack + ip * K * GEMM_MR + k0 * GEMM_MR, b,
+                          j->c + ip * GEMM_MR * j->cs + jp * GEMM_NR, j->cs, k0 == 0,
+                          j->bias ? j->bias + jp * GEMM_NR : NULL, mr, nr);
+            }
+        }
+    }
+    gemm_round_chunk(j, lo, hi);
+}
+
+i64 npuc_qgemm_scratch_floats(i64 M, i64 N, i64 K, int ybf, int nt) {
+    i64 blocks = (K + GEMM_KC - 1) / GEMM_KC, kcb = (K + blocks - 1) / blocks;
+    return npuc_gemm_scratch_floats(M, N, K, ybf) + (i64)(nt < 1 ? 1 : nt) * kcb * GEMM_NR;
+}
+
+int npuc_qgemm(const void *x, int xbf, i64 M, i64 xs, const uint8_t *q, int bits, const float *scale,
+               const float *zero, i64 N, i64 K, i64 G, const float *bias, void *y, int ybf, i64 ys, float *scratch,
+               int nt) {
+    if (G < 1 || K % G || (bits == 4 && G % 2) || (bits != 4 && bits != 8)) return 1;
+    if (nt < 1) nt = 1;
+    if (nt > MAX_WORKERS + 1) nt = MAX_WORKERS + 1;
+    i64 mp = (M + GEMM_MR - 1) / GEMM_MR, npanels = (N + GEMM_NR - 1) / GEMM_NR;
+    float *apack = scratch;
+    float *cbuf = scratch + mp * GEMM_MR * K;
+    qgemm_job qj = {{x, xbf, M, xs, N, K, NULL, bias, ybf ? cbuf : (float *)y, ybf ? N : ys, ybf ? y : NULL, ys,
+                     apack, 0},
+                    q, bits, scale, zero, G, cbuf + (ybf ? M * N : 0)};
+    parallel(gemm_pack_a_chunk, &qj.g, mp, threads_for(M * K * 4, nt));
+    i64 per = (npanels + 4 * nt - 1) / (4 * nt);
+    qj.g.per = per < GEMM_PANELS_PER_CHUNK ? per : GEMM_PANELS_PER_CHUNK;
+    if (qj.g.per < 1) qj.g.per = 1;
+    parallel(qgemm_chunk, &qj, (npanels + qj.g.per - 1) / qj.g.per, nt);
+    return 0;
+}
+
 /* ---- decode's small ops: one call each, instead of a handful of torch calls -------------- */
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * scale, rows of D (all f32). */
@@ -584,4 +926,4 @@ int npuc_cast(const void *src, int sbf, void *dst, int dbf, i64 n) {
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 1; }
+int npuc_kernels_abi(void) { return 3; }
