@@ -88,8 +88,15 @@ def check(src: str, expected: str, numerics: bool = True) -> dict[str, Any]:
 def leaves(src: str, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     """By default the pass leaves `src` as it is, warns and says why; asked for, it refuses."""
     g = load(src)
-    with caplog.at_level(logging.WARNING, logger="npuc"):
-        res = LastTokenLogits()(g)
+    # The handler on npuc's logger itself: an in-process CLI run earlier in the session
+    # stops npuc's records from propagating to the root logger (cli/diagnostics.py).
+    npuc_log = logging.getLogger("npuc")
+    npuc_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="npuc"):
+            res = LastTokenLogits()(g)
+    finally:
+        npuc_log.removeHandler(caplog.handler)
     assert print_graph(res.graph) == ir(src) and not res.modified
     assert reason in res.details["fallback"], res.details
     assert any(reason in r.getMessage() and "--prefill_logits all" in r.getMessage() for r in caplog.records)
