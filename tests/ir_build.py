@@ -26,3 +26,13 @@ def node(g: Graph, op: str, inputs: list[Value], attrs: dict[str, Any] | None = 
 
 def const(g: Graph, name: str, t: torch.Tensor) -> Value:
     return g.add_constant(name, TensorType(tuple(t.shape), DType.from_torch(t.dtype)), TensorSource(t))
+
+
+def run_graph(g: Graph, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Run `g` with each op's reference kernel; its outputs."""
+    env = {id(v): feeds[v.name] for v in g.inputs}
+    env.update({id(c): c.const.load() for c in g.constants.values() if c.const is not None})
+    for n in g.nodes:
+        for o, t in zip(n.outputs, get_op(n.op).run([env[id(v)] for v in n.inputs], n.attrs), strict=True):
+            env[id(o)] = t
+    return [env[id(v)] for v in g.outputs]

@@ -17,14 +17,9 @@ from npuc.passes.pipeline import default_pipeline
 
 
 def _run(g: Graph, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    from npuc.ir import get_op
+    from ir_build import run_graph
 
-    env = {id(v): feeds[v.name] for v in g.inputs}
-    env.update({id(c): c.const.load() for c in g.constants.values() if c.const is not None})
-    for n in g.nodes:
-        for o, t in zip(n.outputs, get_op(n.op).run([env[id(v)] for v in n.inputs], n.attrs), strict=True):
-            env[id(o)] = t
-    return [env[id(v)] for v in g.outputs]
+    return run_graph(g, feeds)
 
 
 def _with_data(text: str, **data: torch.Tensor) -> Graph:

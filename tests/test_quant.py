@@ -104,12 +104,9 @@ def test_qlinear_reference_is_dequantize_then_linear() -> None:
 # -- the passes ----------------------------------------------------------------------------------
 
 def _run(g: Graph, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    env = {id(v): feeds[v.name] for v in g.inputs}
-    env.update({id(c): c.const.load() for c in g.constants.values() if c.const is not None})
-    for n in g.nodes:
-        for o, t in zip(n.outputs, get_op(n.op).run([env[id(v)] for v in n.inputs], n.attrs), strict=True):
-            env[id(o)] = t
-    return [env[id(v)] for v in g.outputs]
+    from ir_build import run_graph
+
+    return run_graph(g, feeds)
 
 
 _MODEL = """graph main(%ids : i64[1,5]) {

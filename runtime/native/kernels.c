@@ -528,10 +528,21 @@ static void gemm_round_chunk(const gemm_job *j, i64 lo, i64 hi) {
         for (i64 n = n0; n < n1; n++) ((bf16 *)j->y)[m * j->ys + n] = f32_to_bf16(j->c[m * j->cs + n]);
 }
 
+/* Column panel jp (nr columns; its block [k0, k0 + kc) of the weight at b) against every
+ * row panel of x. */
+static void gemm_row_panels(const gemm_job *j, const float *b, i64 jp, int nr, i64 k0, i64 kc) {
+    i64 mp = (j->M + GEMM_MR - 1) / GEMM_MR;
+    for (i64 ip = 0; ip < mp; ip++) {
+        int mr = j->M - ip * GEMM_MR < GEMM_MR ? (int)(j->M - ip * GEMM_MR) : GEMM_MR;
+        gemm_tile(kc, j->apack + ip * j->K * GEMM_MR + k0 * GEMM_MR, b, j->c + ip * GEMM_MR * j->cs + jp * GEMM_NR,
+                  j->cs, k0 == 0, j->bias ? j->bias + jp * GEMM_NR : NULL, mr, nr);
+    }
+}
+
 static void gemm_chunk(const void *p, i64 chunk, int tid) {
     const gemm_job *j = p;
     (void)tid;
-    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K, mp = (j->M + GEMM_MR - 1) / GEMM_MR;
+    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K;
     i64 lo = chunk * j->per, hi = lo + j->per < panels ? lo + j->per : panels;
     i64 blocks = (K + GEMM_KC - 1) / GEMM_KC, kcb = (K + blocks - 1) / blocks;
     for (i64 k0 = 0; k0 < K; k0 += kcb) {
@@ -539,12 +550,7 @@ static void gemm_chunk(const void *p, i64 chunk, int tid) {
         for (i64 jp = lo; jp < hi; jp++) {
             const float *b = j->packed + jp * K * GEMM_NR + k0 * GEMM_NR;
             int nr = j->N - jp * GEMM_NR < GEMM_NR ? (int)(j->N - jp * GEMM_NR) : GEMM_NR;
-            for (i64 ip = 0; ip < mp; ip++) {
-                int mr = j->M - ip * GEMM_MR < GEMM_MR ? (int)(j->M - ip * GEMM_MR) : GEMM_MR;
-                gemm_tile(kc, j->apack + ip * K * GEMM_MR + k0 * GEMM_MR, b,
-                          j->c + ip * GEMM_MR * j->cs + jp * GEMM_NR, j->cs, k0 == 0,
-                          j->bias ? j->bias + jp * GEMM_NR : NULL, mr, nr);
-            }
+            gemm_row_panels(j, b, jp, nr, k0, kc);
         }
     }
     gemm_round_chunk(j, lo, hi);
@@ -717,7 +723,7 @@ typedef struct {
 static void qgemm_chunk(const void *p, i64 chunk, int tid) {
     const qgemm_job *qj = p;
     const gemm_job *j = &qj->g;
-    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K, mp = (j->M + GEMM_MR - 1) / GEMM_MR;
+    i64 panels = (j->N + GEMM_NR - 1) / GEMM_NR, K = j->K;
     i64 lo = chunk * j->per, hi = lo + j->per < panels ? lo + j->per : panels;
     i64 blocks = (K + GEMM_KC - 1) / GEMM_KC, kcb = (K + blocks - 1) / blocks, groups = K / qj->G;
     float *b = qj->panels + (i64)tid * kcb * GEMM_NR;
@@ -733,12 +739,7 @@ static void qgemm_chunk(const void *p, i64 chunk, int tid) {
                                                   * qj->scale[n * groups + g] : 0.0f;
                 }
             }
-            for (i64 ip = 0; ip < mp; ip++) {
-                int mr = j->M - ip * GEMM_MR < GEMM_MR ? (int)(j->M - ip * GEMM_MR) : GEMM_MR;
-                gemm_tile(kc, j->apack + ip * K * GEMM_MR + k0 * GEMM_MR, b,
-                          j->c + ip * GEMM_MR * j->cs + jp * GEMM_NR, j->cs, k0 == 0,
-                          j->bias ? j->bias + jp * GEMM_NR : NULL, mr, nr);
-            }
+            gemm_row_panels(j, b, jp, nr, k0, kc);
         }
     }
     gemm_round_chunk(j, lo, hi);
