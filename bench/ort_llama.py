@@ -300,6 +300,17 @@ class OrtLlama:
             pos += 1
         return tokens, times
 
+    def measure(self, prompt: list[int], new: int, reps: int) -> tuple[list[int], list[float], list[float]]:
+        """What bench/run.py reports of a system: (tokens, seconds of each decode step,
+        seconds of each of `reps` prefills of the prompt)."""
+        prefill = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.prefill(np.array([prompt], dtype=np.int64))
+            prefill.append(time.perf_counter() - t0)
+        tokens, steps = self.generate(prompt, new)
+        return tokens, steps, prefill
+
 
 # ---------------------------------------------------------------------------- self-check
 

@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,6 @@ def ort_matmulnbits(prefill: str, decode: str, work: Path) -> tuple[str, str]:
 
 
 def run_ort_nbits(ckpt: Path, s: Any, work: Path, threads: int, prompt: list[int]) -> dict[str, Any]:
-    import numpy as np
     import transformers
     from ort_llama import OrtLlama, export_llama_kv
 
@@ -64,13 +62,7 @@ def run_ort_nbits(ckpt: Path, s: Any, work: Path, threads: int, prompt: list[int
     pre, dec = export_llama_kv(model, str(work / "ort"), s.prompt, s.max_len)
     del model
     qpre, qdec = ort_matmulnbits(pre, dec, work / "ort")
-    ort = OrtLlama(qpre, qdec, threads)
-    prefill = []
-    for _ in range(s.reps):
-        t0 = time.perf_counter()
-        ort.prefill(np.array([prompt], dtype=np.int64))
-        prefill.append(time.perf_counter() - t0)
-    tokens, steps = ort.generate(prompt, s.new)
+    tokens, steps, prefill = OrtLlama(qpre, qdec, threads).measure(prompt, s.new, s.reps)
     return {"tokens": list(tokens), "steps": list(steps), "prefill": prefill,
             "bytes": sum(os.path.getsize(p) for p in Path(qdec).parent.glob("q4_*decode*"))}
 

@@ -173,21 +173,13 @@ def run_hf(ckpt: Path, s: Sizes) -> dict[str, Any]:
 
 
 def run_ort(ckpt: Path, s: Sizes, work: Path, threads: int) -> dict[str, Any]:
-    import numpy as np
     import transformers
     from ort_llama import OrtLlama, export_llama_kv
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
     pre, dec = export_llama_kv(model, str(work / "ort"), s.prompt, s.max_len)
     del model
-    ort = OrtLlama(pre, dec, threads)
-    ids = prompt_ids(s)
-    prefill = []
-    for _ in range(s.reps):
-        t0 = time.perf_counter()
-        ort.prefill(np.array([ids], dtype=np.int64))
-        prefill.append(time.perf_counter() - t0)
-    tokens, steps = ort.generate(ids, s.new)
+    tokens, steps, prefill = OrtLlama(pre, dec, threads).measure(prompt_ids(s), s.new, s.reps)
     return decode_stats("onnxruntime (KV-cache export)", list(tokens), list(steps), prefill)
 
 
