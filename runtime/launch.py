@@ -8,8 +8,11 @@ left to decide. Per step, the first that applies:
             bytes (backend/lower.py is_view): nothing to run, the step is dropped
     native  linear with few rows, on the CPU: runtime/native's GEMV, which reads each
             weight once, as stored (layout nk or kn, f32 or bf16), and computes only the
-            `valid_rows` of a tile-padded input; decode's small ops (rms_norm, rope_lut,
-            kv_write, cached_attention, swiglu, add, f32/bf16 cast) in one native call each
+            `valid_rows` of a tile-padded input; the other ops of a transformer block
+            (rms_norm, rope_lut, kv_write, cached and fused attention, swiglu, add, f32/bf16
+            cast, a transpose that moves bytes) in one native call each, on the same pool
+            at prefill sizes: torch's OpenMP threads, spinning after a kernel of theirs,
+            would take the cores from the pool's GEMM (prefill 1.7x slower, measured)
     native-gemm  linear with many rows (prefill): runtime/native's GEMM over a copy of the
             weight packed at load into 16-column panels; only the `valid_rows` computed
     prepacked  the same without the native library (no compiler, NPUC_NATIVE=0): oneDNN
@@ -194,7 +197,7 @@ def _native_rms_norm(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | No
     if scale.numel() != d or tuple(scale.shape) != tuple(x.shape[x.dim() - scale.dim():]):
         return None  # a scale that broadcasts: the out-kernel's case
     return functools.partial(lib.npuc_rms_norm_f32, x.data_ptr(), scale.data_ptr(), b.attrs["eps"], out.data_ptr(),
-                             rows, d)
+                             rows, d, ls.threads)
 
 
 _ROPE_LAYOUTS = {"half": 0, "interleaved": 1, "deinterleave": 2}
@@ -213,7 +216,7 @@ def _native_rope(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
         return None
     return _checked(functools.partial(lib.npuc_rope_f32, x.data_ptr(), pos.data_ptr(), cos_t.data_ptr(),
                                       sin_t.data_ptr(), out.data_ptr(), x.numel() // max(s * d, 1), s, d,
-                                      cos_t.shape[1], cos_t.shape[0], layout), b)
+                                      cos_t.shape[1], cos_t.shape[0], layout, ls.threads), b)
 
 
 def _native_kv_write(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
@@ -245,20 +248,47 @@ def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launc
                                       ws.data_ptr(), ls.threads), b)
 
 
-# Past this many elements torch's vectorised, threaded element-wise kernels win (prefill);
-# below it one native call saves their dispatch (decode).
-ELEMENTWISE_MAX = 1 << 15
-
-
 def _native_elementwise(fn: str) -> Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]:
     def build(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
         x, y, out = b.ins[0], b.ins[1], b.outs[0]
         if not _contiguous(x, y, out) or {x.dtype, y.dtype, out.dtype} != {F32} \
-                or not x.shape == y.shape == out.shape or out.numel() > ELEMENTWISE_MAX:
-            return None  # broadcasting, or a prefill's size: the out-kernel's case
-        return functools.partial(getattr(lib, fn), x.data_ptr(), y.data_ptr(), out.data_ptr(), out.numel())
+                or not x.shape == y.shape == out.shape:
+            return None  # broadcasting: the out-kernel's case
+        return functools.partial(getattr(lib, fn), x.data_ptr(), y.data_ptr(), out.data_ptr(), out.numel(),
+                                 ls.threads)
 
     return build
+
+
+def _native_transpose(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """A transpose that moves bytes (prefill's [b, s, h, d] <-> [b, h, s, d]): one strided
+    copy on the pool. A rank above 4 is torch's."""
+    x, out = b.ins[0], b.outs[0]
+    if x.dim() > 4 or x.device.type != "cpu" or not out.is_contiguous() or x.dtype != out.dtype:
+        return None
+    perm = list(b.attrs["perm"])
+    pad = 4 - x.dim()
+    shape = [1] * pad + [x.shape[p] for p in perm]
+    strides = [0] * pad + [x.stride(p) for p in perm]
+    if tuple(shape[pad:]) != tuple(out.shape):
+        return None
+    dims = ls.keep(torch.tensor(shape + strides, dtype=torch.int64))
+    return functools.partial(lib.npuc_permute, x.data_ptr(), out.data_ptr(), x.element_size(), dims.data_ptr(),
+                             dims.data_ptr() + 32, ls.threads)
+
+
+def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """Prefill's attention without a mask: decode's cached-attention kernel, with query i
+    attending keys 0..min(i, L - 1) (causal, torch's top-left alignment) or all L keys."""
+    if len(b.ins) != 3:
+        return None  # a mask: torch's
+    q, k, v = b.ins
+    s, length = q.shape[2] if q.dim() == 4 else 0, k.shape[2] if k.dim() == 4 else 0
+    if not s or not length:
+        return None
+    pos = [min(i, length - 1) for i in range(s)] if b.attrs["causal"] else [length - 1] * s
+    p = ls.keep(torch.tensor(pos, dtype=torch.int64))
+    return _native_cached_attention(Bound(b.opdef, b.attrs, [q, k, v, p], b.outs, b.ws), lib, ls)
 
 
 def _prepacked_linear(b: Bound, ls: Launchers) -> Launcher | None:
@@ -369,11 +399,10 @@ def _checked_call(f: Callable[[], int], b: Bound) -> Launcher:
 
 def _native_cast(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     x, out = b.ins[0], b.outs[0]
-    if not _contiguous(x, out) or {x.dtype, out.dtype} - {F32, BF16} or x.shape != out.shape \
-            or out.numel() > ELEMENTWISE_MAX:
+    if not _contiguous(x, out) or {x.dtype, out.dtype} - {F32, BF16} or x.shape != out.shape:
         return None
     return functools.partial(lib.npuc_cast, x.data_ptr(), int(x.dtype == BF16), out.data_ptr(),
-                             int(out.dtype == BF16), out.numel())
+                             int(out.dtype == BF16), out.numel(), ls.threads)
 
 
 class Launchers:
@@ -428,4 +457,5 @@ _NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] =
     "linear": _native_linear, "rms_norm": _native_rms_norm, "rope_lut": _native_rope, "kv_write": _native_kv_write,
     "cached_attention": _native_cached_attention, "swiglu": _native_elementwise("npuc_swiglu_f32"),
     "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast, "qlinear": _native_qlinear,
+    "transpose": _native_transpose, "fused_attention": _native_fused_attention,
 }

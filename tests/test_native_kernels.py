@@ -274,12 +274,22 @@ def test_cached_attention(lib: Any, qdt: torch.dtype, cdt: torch.dtype, s: int, 
 
 
 @pytest.mark.parametrize("name", ["swiglu", "add"])
-def test_elementwise(lib: Any, name: str) -> None:
-    a, b = torch.randn(1, 1, 2048), torch.randn(1, 1, 2048)
+@pytest.mark.parametrize("n", [2048, 1000003])  # decode's size; a prefill's, cut over the pool with a tail
+def test_elementwise(lib: Any, name: str, n: int) -> None:
+    a, b = torch.randn(1, 1, n) * 30, torch.randn(1, 1, n)
+    a.view(-1)[:6] = torch.tensor([100.0, -100.0, 89.0, -89.0, 0.0, -0.0])  # past exp's clamp, either side
     want = _ref(name, [a, b], {})
     kind, (got,) = _launch(lib, name, [a, b], {}, [want])
     assert kind == "native"
     _close(got, want)
+
+
+def test_swiglu_keeps_nan_and_inf(lib: Any) -> None:
+    a = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0] * 4)
+    b = torch.ones(16)
+    want = _ref("swiglu", [a, b], {})
+    _, (got,) = _launch(lib, "swiglu", [a, b], {}, [want])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @pytest.mark.parametrize("src, dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
@@ -296,13 +306,48 @@ def test_cast(lib: Any, src: torch.dtype, dst: torch.dtype) -> None:
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
 
 
-def test_prefill_sized_elementwise_is_torchs(lib: Any) -> None:
-    from npuc.runtime.launch import ELEMENTWISE_MAX
+def test_rms_norm_over_many_rows(lib: Any) -> None:
+    x, scale = torch.randn(1, 777, 256), torch.randn(256)
+    attrs = {"axis": -1, "eps": 1e-5}
+    want = _ref("rms_norm", [x, scale], attrs)
+    kind, (got,) = _launch(lib, "rms_norm", [x, scale], attrs, [want])
+    assert kind == "native"
+    _close(got, want)
 
-    a, b = torch.randn(2, ELEMENTWISE_MAX), torch.randn(2, ELEMENTWISE_MAX)
-    kind, (got,) = _launch(lib, "swiglu", [a, b], {}, [a])
-    assert kind == "out"
-    _close(got, _ref("swiglu", [a, b], {}))
+
+@pytest.mark.parametrize("shape, perm", [((1, 128, 12, 64), (0, 2, 1, 3)), ((2, 3, 5, 7), (3, 1, 0, 2)),
+                                         ((33, 70), (1, 0)), ((4, 9, 6), (1, 0, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_transpose(lib: Any, shape: tuple[int, ...], perm: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = (torch.randn(shape) * 100).to(dtype)
+    want = _ref("transpose", [x], {"perm": perm}).contiguous()
+    kind, (got,) = _launch(lib, "transpose", [x], {"perm": perm}, [want])
+    assert kind == "native"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s, length, hq, hkv", [(128, 128, 12, 4), (5, 9, 4, 4), (9, 5, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_attention(lib: Any, causal: bool, s: int, length: int, hq: int, hkv: int, dtype: torch.dtype) -> None:
+    """Prefill's attention: causal with torch's top-left alignment (S < L and S > L too),
+    grouped-query heads, bf16 operands computed in f32."""
+    q = torch.randn(2, hq, s, 64).to(dtype)
+    k, v = torch.randn(2, hkv, length, 64).to(dtype), torch.randn(2, hkv, length, 32).to(dtype)
+    attrs = {"scale": 0.125, "causal": causal}
+    want = _ref("fused_attention", [q, k, v], attrs)
+    kind, (got,) = _launch(lib, "fused_attention", [q, k, v], attrs, [want])
+    assert kind == "native"
+    _close(got, want, dtype)
+
+
+def test_masked_fused_attention_is_torchs(lib: Any) -> None:
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    mask = torch.zeros(4, 4)
+    want = _ref("fused_attention", [q, k, v, mask], {"scale": 0.3})
+    kind, (got,) = _launch(lib, "fused_attention", [q, k, v, mask], {"scale": 0.3}, [want])
+    assert kind != "native"
+    _close(got, want)
 
 
 def test_broadcasting_add_is_not_native(lib: Any) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("npuc")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-ABI = 3
+ABI = 4
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno")
 _LIBS = ("-lm", "-lpthread")
 # Tried in order: the host's ISA, then without -march (an old or cross compiler: the plain C paths).
@@ -85,14 +85,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npuc_kernels_abi.argtypes = []
     lib.npuc_linear_f32.argtypes = [PTR, I64, I64, PTR, INT, I64, I64, PTR, PTR, I64, INT]
     lib.npuc_linear_bf16.argtypes = [PTR, INT, I64, I64, PTR, I64, I64, PTR, INT, PTR, INT, I64, PTR, INT]
-    lib.npuc_rms_norm_f32.argtypes = [PTR, PTR, FLOAT, PTR, I64, I64]
-    lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT]
+    lib.npuc_rms_norm_f32.argtypes = [PTR, PTR, FLOAT, PTR, I64, I64, INT]
+    lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT, INT]
     lib.npuc_kv_write.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, I64, I64]
     lib.npuc_cached_attention.argtypes = [PTR, INT, PTR, PTR, INT, PTR, PTR, INT, I64, I64, I64, I64, I64, I64, I64,
                                           FLOAT, PTR, INT]
-    lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64]
-    lib.npuc_add_f32.argtypes = [PTR, PTR, PTR, I64]
-    lib.npuc_cast.argtypes = [PTR, INT, PTR, INT, I64]
+    lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64, INT]
+    lib.npuc_add_f32.argtypes = [PTR, PTR, PTR, I64, INT]
+    lib.npuc_cast.argtypes = [PTR, INT, PTR, INT, I64, INT]
+    lib.npuc_permute.argtypes = [PTR, PTR, I64, PTR, PTR, INT]
     lib.npuc_gemm_packed_floats.argtypes = [I64, I64]
     lib.npuc_gemm_packed_floats.restype = I64
     lib.npuc_gemm_scratch_floats.argtypes = [I64, I64, I64, INT]
@@ -109,7 +110,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                        INT]
     for name in ("npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32", "npuc_rope_f32", "npuc_kv_write",
                  "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast", "npuc_gemm_pack_b",
-                 "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm"):
+                 "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm", "npuc_permute"):
         getattr(lib, name).restype = INT
     return lib
 

@@ -207,6 +207,10 @@ static inline float hsum(__m256 v) {
 static inline __m256 load8_bf16(const bf16 *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+
+static inline __m256 load8_any(const void *p, int bf, i64 i) {
+    return bf ? load8_bf16((const bf16 *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
 #endif
 
 /* ---- f32 weights, layout nk -------------------------------------------------------------- */
@@ -439,7 +443,9 @@ int npuc_linear_bf16(const void *x, int xbf, i64 M, i64 xs, const bf16 *w, i64 N
 
 #define GEMM_MR 6
 #define GEMM_NR 16
-#define GEMM_KC 512
+#ifndef GEMM_KC
+#define GEMM_KC 256
+#endif
 #define GEMM_PANELS_PER_CHUNK 8 /* a chunk's C columns (128 rows x 128 floats) stay in L2 */
 
 i64 npuc_gemm_packed_floats(i64 N, i64 K) { return (N + GEMM_NR - 1) / GEMM_NR * GEMM_NR * K; }
@@ -772,11 +778,17 @@ int npuc_qgemm(const void *x, int xbf, i64 M, i64 xs, const uint8_t *q, int bits
 
 /* ---- decode's small ops: one call each, instead of a handful of torch calls -------------- */
 
-/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * scale, rows of D (all f32). */
-int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out, i64 R, i64 D) {
-    for (i64 r = 0; r < R; r++) {
-        const float *xr = x + r * D;
-        float *o = out + r * D;
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * scale, rows of D (all f32); rows
+ * split over the pool at prefill sizes. */
+typedef struct { const float *x, *scale; float eps; float *out; i64 R, D, per; } rms_job;
+
+static void rms_chunk(const void *p, i64 c, int tid) {
+    (void)tid;
+    const rms_job *j = p;
+    i64 D = j->D, end = (c + 1) * j->per < j->R ? (c + 1) * j->per : j->R;
+    for (i64 r = c * j->per; r < end; r++) {
+        const float *xr = j->x + r * D;
+        float *o = j->out + r * D;
         float ss = 0;
         i64 k = 0;
 #ifdef NPUC_AVX2
@@ -789,31 +801,55 @@ int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out,
         ss = hsum(_mm256_add_ps(a, b));
 #endif
         for (; k < D; k++) ss += xr[k] * xr[k];
-        float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (k = 0; k < D; k++) o[k] = xr[k] * inv * scale[k];
+        float inv = 1.0f / sqrtf(ss / (float)D + j->eps);
+        for (k = 0; k < D; k++) o[k] = xr[k] * inv * j->scale[k];
     }
+}
+
+int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out, i64 R, i64 D, int nt) {
+    nt = threads_for(R * D * 4 * 4, nt);
+    rms_job j = {x, scale, eps, out, R, D, 1};
+    j.per = (R + 4 * nt - 1) / (4 * nt);
+    if (j.per < 1) j.per = 1;
+    parallel(rms_chunk, &j, (R + j.per - 1) / j.per, nt);
     return 0;
 }
 
 /* Rotary embedding from tables: x [G, S, d] (G = batch x heads), pos [S], tables [T, half].
  * layout 0 "half": pairs (j, j + half) -> halves; 1 "interleaved": pairs (2j, 2j+1) -> pairs;
  * 2 "deinterleave": pairs (2j, 2j+1) -> halves. Dims past 2*half are copied. */
+typedef struct { const float *x; const int64_t *pos; const float *cos_t, *sin_t; float *out;
+                 i64 S, d, half, rows, per; int layout; } rope_job;
+
+static void rope_chunk(const void *p, i64 c, int tid) {
+    (void)tid;
+    const rope_job *jb = p;
+    i64 d = jb->d, half = jb->half, end = (c + 1) * jb->per < jb->rows ? (c + 1) * jb->per : jb->rows;
+    int layout = jb->layout;
+    for (i64 r = c * jb->per; r < end; r++) {
+        i64 i = r % jb->S;
+        const float *xr = jb->x + r * d, *cs = jb->cos_t + jb->pos[i] * half, *sn = jb->sin_t + jb->pos[i] * half;
+        float *o = jb->out + r * d;
+        for (i64 j = 0; j < half; j++) {
+            float x1 = layout == 0 ? xr[j] : xr[2 * j], x2 = layout == 0 ? xr[j + half] : xr[2 * j + 1];
+            float re = x1 * cs[j] - x2 * sn[j], im = x2 * cs[j] + x1 * sn[j];
+            if (layout == 1) { o[2 * j] = re; o[2 * j + 1] = im; }
+            else { o[j] = re; o[j + half] = im; }
+        }
+        for (i64 j = 2 * half; j < d; j++) o[j] = xr[j];
+    }
+}
+
 int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const float *sin_t, float *out,
-                  i64 G, i64 S, i64 d, i64 half, i64 T, int layout) {
+                  i64 G, i64 S, i64 d, i64 half, i64 T, int layout, int nt) {
     for (i64 i = 0; i < S; i++)
         if (pos[i] < 0 || pos[i] >= T) return -1;
-    for (i64 g = 0; g < G; g++)
-        for (i64 i = 0; i < S; i++) {
-            const float *xr = x + (g * S + i) * d, *c = cos_t + pos[i] * half, *sn = sin_t + pos[i] * half;
-            float *o = out + (g * S + i) * d;
-            for (i64 j = 0; j < half; j++) {
-                float x1 = layout == 0 ? xr[j] : xr[2 * j], x2 = layout == 0 ? xr[j + half] : xr[2 * j + 1];
-                float re = x1 * c[j] - x2 * sn[j], im = x2 * c[j] + x1 * sn[j];
-                if (layout == 1) { o[2 * j] = re; o[2 * j + 1] = im; }
-                else { o[j] = re; o[j + half] = im; }
-            }
-            for (i64 j = 2 * half; j < d; j++) o[j] = xr[j];
-        }
+    i64 rows = G * S;
+    nt = threads_for(rows * d * 4 * 4, nt);
+    rope_job j = {x, pos, cos_t, sin_t, out, S, d, half, rows, 1, layout};
+    j.per = (rows + 4 * nt - 1) / (4 * nt);
+    if (j.per < 1) j.per = 1;
+    parallel(rope_chunk, &j, (rows + j.per - 1) / j.per, nt);
     return 0;
 }
 
@@ -865,6 +901,32 @@ static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
     return s;
 }
 
+#ifdef NPUC_AVX2
+/* e^x for 8 floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; about
+ * 1 ulp). Past the range, +inf above and 0 below, as expf; min/max take the constant
+ * first so that a NaN stays NaN. */
+static inline __m256 exp8(__m256 x) {
+    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ);
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
+    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x), y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(lo, _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi));
+}
+#endif
+
 typedef struct {
     const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; void *out; int obf;
     i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
@@ -878,17 +940,65 @@ static void attention_chunk(const void *p, i64 job, int tid) {
     i64 kvh = b * j->HKV + h / (j->HQ / j->HKV), n = j->pos[i] + 1;
     for (i64 k = 0; k < D; k++) qf[k] = load_any(j->q, j->qbf, job * D + k);
     float mx = -INFINITY;
-    for (i64 r = 0; r < n; r++) {
+    i64 r4 = 0;
+#ifdef NPUC_AVX2
+    /* four keys at a time: one q load serves four rows, and one reduction four sums */
+    if (D % 8 == 0)
+        for (; r4 + 4 <= n; r4 += 4) {
+            i64 row = (kvh * L + r4) * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (i64 k = 0; k < D; k += 8) {
+                __m256 qv = _mm256_loadu_ps(qf + k);
+                a0 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + k), a0);
+                a1 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + D + k), a1);
+                a2 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + 2 * D + k), a2);
+                a3 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + 3 * D + k), a3);
+            }
+            __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            __m128 s4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)),
+                                   _mm_set1_ps(j->scale));
+            _mm_storeu_ps(sc + r4, s4);
+            for (int t = 0; t < 4; t++) if (sc[r4 + t] > mx) mx = sc[r4 + t];
+        }
+#endif
+    for (i64 r = r4; r < n; r++) {
         i64 row = (kvh * L + r) * D;
         float s = j->cbf ? dot1_bf16(qf, (const bf16 *)j->kc + row, D) : dot1_f32(qf, (const float *)j->kc + row, D);
         sc[r] = s * j->scale;
         if (sc[r] > mx) mx = sc[r];
     }
     float sum = 0;
-    for (i64 r = 0; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
+    i64 r0 = 0;
+#ifdef NPUC_AVX2
+    __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+    for (; r0 + 8 <= n; r0 += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + r0), vm));
+        _mm256_storeu_ps(sc + r0, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum(vs);
+#endif
+    for (i64 r = r0; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
     for (i64 k = 0; k < DV; k++) acc[k] = 0;
-    for (i64 r = 0; r < n; r++) {
-        float pr = sc[r] / sum;
+    float inv = 1.0f / sum;
+    i64 v4 = 0;
+#ifdef NPUC_AVX2
+    /* four value rows per pass over acc */
+    if (DV % 8 == 0)
+        for (; v4 + 4 <= n; v4 += 4) {
+            i64 row = (kvh * L + v4) * DV;
+            __m256 p0 = _mm256_set1_ps(sc[v4] * inv), p1 = _mm256_set1_ps(sc[v4 + 1] * inv),
+                   p2 = _mm256_set1_ps(sc[v4 + 2] * inv), p3 = _mm256_set1_ps(sc[v4 + 3] * inv);
+            for (i64 k = 0; k < DV; k += 8) {
+                __m256 a = _mm256_fmadd_ps(p0, load8_any(j->vc, j->cbf, row + k), _mm256_loadu_ps(acc + k));
+                a = _mm256_fmadd_ps(p1, load8_any(j->vc, j->cbf, row + DV + k), a);
+                a = _mm256_fmadd_ps(p2, load8_any(j->vc, j->cbf, row + 2 * DV + k), a);
+                _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(p3, load8_any(j->vc, j->cbf, row + 3 * DV + k), a));
+            }
+        }
+#endif
+    for (i64 r = v4; r < n; r++) {
+        float pr = sc[r] * inv;
         i64 row = (kvh * L + r) * DV;
         if (j->cbf) axpy_bf16(pr, (const bf16 *)j->vc + row, acc, DV);
         else axpy_f32(pr, (const float *)j->vc + row, acc, DV);
@@ -909,22 +1019,92 @@ int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc
     return 0;
 }
 
-/* out = silu(a) * b, and out = a + b, over n f32. */
-int npuc_swiglu_f32(const float *a, const float *b, float *out, i64 n) {
-    for (i64 i = 0; i < n; i++) out[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+/* ---- element-wise ops and copies: one pass over memory, cut over the pool at prefill sizes -- */
+
+#define EW_CHUNK 16384 /* elements per chunk: 64 KiB of f32, a few microseconds of work */
+
+
+enum { EW_ADD, EW_SWIGLU, EW_CAST };
+typedef struct { const void *a, *b; void *out; i64 n; int op, abf, obf; } ew_job;
+
+static void ew_chunk(const void *p, i64 c, int tid) {
+    (void)tid;
+    const ew_job *j = p;
+    i64 lo = c * EW_CHUNK, hi = lo + EW_CHUNK < j->n ? lo + EW_CHUNK : j->n, i = lo;
+    const float *a = j->a, *b = j->b;
+    float *o = j->out;
+    if (j->op == EW_CAST) {
+        if (j->abf == j->obf) memcpy((char *)j->out + lo * (j->obf ? 2 : 4), (const char *)j->a + lo * (j->abf ? 2 : 4),
+                                     (size_t)(hi - lo) * (j->obf ? 2 : 4));
+        else for (; i < hi; i++) store_any(j->out, j->obf, i, load_any(j->a, j->abf, i));
+        return;
+    }
+    if (j->op == EW_ADD) {
+#ifdef NPUC_AVX2
+        for (; i + 8 <= hi; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+#endif
+        for (; i < hi; i++) o[i] = a[i] + b[i];
+        return;
+    }
+#ifdef NPUC_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= hi; i += 8) {
+        __m256 x = _mm256_loadu_ps(a + i);
+        __m256 e = exp8(_mm256_xor_ps(x, neg));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + i)));
+    }
+#endif
+    for (; i < hi; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+}
+
+static int elementwise(int op, const void *a, int abf, const void *b, void *out, int obf, i64 n, int nt) {
+    ew_job j = {a, b, out, n, op, abf, obf};
+    parallel(ew_chunk, &j, (n + EW_CHUNK - 1) / EW_CHUNK, threads_for(n * 4 * 3, nt));
     return 0;
 }
 
-int npuc_add_f32(const float *a, const float *b, float *out, i64 n) {
-    for (i64 i = 0; i < n; i++) out[i] = a[i] + b[i];
-    return 0;
+/* out = silu(a) * b, and out = a + b, over n f32. */
+int npuc_swiglu_f32(const float *a, const float *b, float *out, i64 n, int nt) {
+    return elementwise(EW_SWIGLU, a, 0, b, out, 0, n, nt);
+}
+
+int npuc_add_f32(const float *a, const float *b, float *out, i64 n, int nt) {
+    return elementwise(EW_ADD, a, 0, b, out, 0, n, nt);
 }
 
 /* dst = src converted, over n values, each f32 or bf16 (round to nearest even). */
-int npuc_cast(const void *src, int sbf, void *dst, int dbf, i64 n) {
-    if (sbf == dbf) memcpy(dst, src, (size_t)n * (sbf ? 2 : 4));
-    else for (i64 i = 0; i < n; i++) store_any(dst, dbf, i, load_any(src, sbf, i));
+int npuc_cast(const void *src, int sbf, void *dst, int dbf, i64 n, int nt) {
+    return elementwise(EW_CAST, src, sbf, NULL, dst, dbf, n, nt);
+}
+
+/* A strided copy into a contiguous out of 4 dims (a transpose): out[i0, i1, i2, i3] =
+ * src[i0 * st[0] + i1 * st[1] + i2 * st[2] + i3 * st[3]], strides in elements of `es`
+ * bytes; rows of out (i3 runs) split over the pool, each one memcpy when st[3] is 1. */
+typedef struct { const char *src; char *dst; i64 es, s1, s2, s3, st0, st1, st2, st3, rows, per; } perm_job;
+
+static void perm_chunk(const void *p, i64 c, int tid) {
+    (void)tid;
+    const perm_job *j = p;
+    i64 end = (c + 1) * j->per < j->rows ? (c + 1) * j->per : j->rows, es = j->es;
+    for (i64 r = c * j->per; r < end; r++) {
+        i64 i0 = r / (j->s1 * j->s2), i1 = (r / j->s2) % j->s1, i2 = r % j->s2;
+        const char *from = j->src + (i0 * j->st0 + i1 * j->st1 + i2 * j->st2) * es;
+        char *to = j->dst + r * j->s3 * es;
+        if (j->st3 == 1) memcpy(to, from, (size_t)(j->s3 * es));
+        else for (i64 k = 0; k < j->s3; k++) memcpy(to + k * es, from + k * j->st3 * es, (size_t)es);
+    }
+}
+
+int npuc_permute(const void *src, void *dst, i64 es, const int64_t *shape, const int64_t *st, int nt) {
+    i64 rows = shape[0] * shape[1] * shape[2];
+    if (rows == 0 || shape[3] == 0) return 0;
+    nt = threads_for(rows * shape[3] * es * 2, nt);
+    perm_job j = {src, dst, es, shape[1], shape[2], shape[3], st[0], st[1], st[2], st[3], rows, 1};
+    j.per = (rows + 4 * nt - 1) / (4 * nt);
+    if (j.per < 1) j.per = 1;
+    parallel(perm_chunk, &j, (rows + j.per - 1) / j.per, nt);
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 3; }
+int npuc_kernels_abi(void) { return 4; }
