@@ -126,6 +126,8 @@ class FileRange:
     def chunks(self) -> Iterator[bytes]:
         """The bytes themselves, read in blocks (for a reader that wants them in memory)."""
         try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a fifo's open() would block; a device never ends
+                raise _cannot_read(self, OSError(0, "not a regular file"))
             with open(self.path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 if self.offset + self.length > size:

@@ -134,6 +134,9 @@ _MODEL_OPTIONS = [
                  help="A file of node or weight names, one a line, left unquantized."),
     click.option("--quant_strict", "--quant-strict", "quant_strict", is_flag=True, default=False,
                  help="Refuse a weight whose K the group size does not divide (default: store it in int8)."),
+    click.option("--trust-pickle", "--trust_pickle", "trust_pickle", is_flag=True, default=False,
+                 help="Load a .pt2 whose payload needs pickle: this runs code from the file, so only for files "
+                      "you trust (refused by default, NPUC-E0318)."),
     click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
                  type=click.Choice(["text", "json"]), help="json: errors and logs as JSON lines, nothing else on stderr."),
 ]
@@ -195,7 +198,8 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
                   precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
                   max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"], out_nodes=opts["out_nodes"],
                   input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
-                  quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"])
+                  quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"],
+                  trust_pickle=opts["trust_pickle"])
     if mode == "3":
         return _precheck(source, opts["json_out"], common, opts["diagnostics_format"])
     from npuc.compiler.driver import compile_model

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -77,20 +78,22 @@ main.add_command(check_cmd)
 @click.option("--per-layer", "--per_layer", "per_layer", is_flag=True,
               help="Also compare intermediates at fusion boundaries and name the first op that diverges.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--trust-pickle", "--trust_pickle", "trust_pickle", is_flag=True, default=False,
+              help="Load a .pt2 source whose payload needs pickle: this runs code from the file (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="The report as one JSON object.")
 @click.option("--diagnostics-format", "--diagnostics_format", "diagnostics_format", default="text",
               type=click.Choice(["text", "json"]))
 @click.option("--debug", is_flag=True)
 @handle_errors
 def verify(om: str, against: str, inputs_dir: str | None, atol: float, rtol: float, per_layer: bool,
-           seed: int, as_json: bool, diagnostics_format: str, debug: bool) -> None:
+           seed: int, trust_pickle: bool, as_json: bool, diagnostics_format: str, debug: bool) -> None:
     """Run a .om and its source (onnxruntime, or torch) on the same inputs and compare the outputs:
     max abs and rel error and cosine per output; exit 1 past --atol/--rtol."""
     from npuc.compiler.verify import render_report, report_json, verify_failure
     from npuc.compiler.verify import verify as run_verify
 
     setup("warning", diagnostics_format)
-    rep = run_verify(om, against, inputs_dir, atol, rtol, per_layer, seed)
+    rep = run_verify(om, against, inputs_dir, atol, rtol, per_layer, seed, trust_pickle=trust_pickle)
     click.echo(json.dumps(report_json(rep), indent=2, sort_keys=True) if as_json else render_report(rep))
     if not rep.ok:
         raise verify_failure(rep)
@@ -155,15 +158,21 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program:
         click.echo(f"{name}: {DType.from_torch(t.dtype)}[{shape}] -> {os.path.join(output_dir, fname)}")
 
 
+# One id, then more after a comma or spaces (a comma may have spaces around it). ASCII
+# only: int() alone would also take "١٢", "+1", "1_0" and " 1 ".
+_ID = r"[0-9]+"
+_IDS = re.compile(rf"[ \t]*{_ID}(?:(?:[ \t]*,[ \t]*|[ \t]+){_ID})*[ \t]*", re.ASCII)
+
+
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(",", " ").split()]  # commas, spaces or both
-    except ValueError:
-        ids = []
-    if not ids or any(i < 0 for i in ids):
-        raise NpucError("NPUC-E0125", f"--prompt-ids {text!r} is not a list of token ids",
-                        "write --prompt-ids 1,2,3", exit_code=EXIT_USAGE)
-    return ids
+    if not _IDS.fullmatch(text):
+        bad = next((t for t in re.split(r"[ \t]*,[ \t]*|[ \t]+", text.strip(" \t"))
+                    if not re.fullmatch(_ID, t, re.ASCII)), text)
+        what = "an empty item" if bad == "" else f"{bad!r} is not an ASCII decimal token id"
+        raise NpucError("NPUC-E0125", f"--prompt-ids {text!r}: {what}",
+                        "write non-negative decimal ids separated by commas or spaces, e.g. --prompt-ids 1,2,3",
+                        exit_code=EXIT_USAGE)
+    return [int(t) for t in re.findall(_ID, text, re.ASCII)]
 
 
 @main.command()
@@ -187,6 +196,7 @@ def generate(om: str, prompt_ids: str | None, prompt: str | None, max_new_tokens
     if (prompt_ids is None) == (prompt is None):
         raise NpucError("NPUC-E0125", "give exactly one of --prompt-ids and --prompt",
                         "npuc generate model.om --prompt-ids 1,2,3 --max-new-tokens 32", exit_code=EXIT_USAGE)
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else []  # a usage error before the load
     sess = Session.load(om, device=device)
     if prompt is not None:
         encode, decode = load_tokenizer(sess)
@@ -195,7 +205,6 @@ def generate(om: str, prompt_ids: str | None, prompt: str | None, max_new_tokens
         click.echo(" ".join(map(str, out)))
         click.echo(decode(out))
         return
-    ids = _parse_ids(prompt_ids or "")
     tokens = []
     for t in stream(sess, ids, max_new_tokens, ignore_eos):
         tokens.append(t)

@@ -126,9 +126,11 @@ class Source:
 
 
 def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, Any] | None = None,
-                fixed_kwargs: Mapping[str, Any] | None = None) -> tuple[Graph, Source]:
+                fixed_kwargs: Mapping[str, Any] | None = None, *, trust_pickle: bool = False
+                ) -> tuple[Graph, Source]:
     """Frontend only: the imported (unoptimised) graph, and what it was read from.
-    `fixed_kwargs` are passed to a torch model's forward as constants (not inputs)."""
+    `fixed_kwargs` are passed to a torch model's forward as constants (not inputs);
+    `trust_pickle` loads a `.pt2` that needs pickle (running its code, compiler/pt2_safety.py)."""
     if _is_onnx(model):
         from npuc.compiler.onnx_frontend import import_onnx, load_onnx
 
@@ -138,7 +140,7 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
         onnx_model = load_onnx(os.fspath(model))
         shapes = resolve_input_shapes(input_shape, onnx_model.inputs)
         return import_onnx(onnx_model, shapes), Source("onnx", onnx_model.files)
-    loaded = _load(model, input_dtypes)
+    loaded = _load(model, input_dtypes, trust_pickle)
     # Fixed kwargs are no inputs: declared_inputs leaves them out of the shape check.
     loaded.fixed_kwargs.update(fixed_kwargs or {})
     graph = _import(loaded, _export(loaded, _shapes(loaded, input_shape), fixed_kwargs))
@@ -149,8 +151,8 @@ def _is_onnx(model: Any) -> bool:
     return isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx")
 
 
-def _load(model: Any, input_dtypes: Mapping[str, Any] | None) -> LoadedModel:
-    loaded = load_source(model)
+def _load(model: Any, input_dtypes: Mapping[str, Any] | None, trust_pickle: bool = False) -> LoadedModel:
+    loaded = load_source(model, trust_pickle=trust_pickle)
     for name, dt in (input_dtypes or {}).items():
         loaded.input_dtypes[name] = _torch_dtype(dt)
     return loaded
@@ -248,7 +250,8 @@ def _rope_tables(full: Graph) -> list[RopeTables]:
 
 
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
-                   loaded: LoadedModel | None = None) -> tuple[Graph, list[RopeTables]]:
+                   loaded: LoadedModel | None = None, *, trust_pickle: bool = False
+                   ) -> tuple[Graph, list[RopeTables]]:
     """The model traced for one token (the decode program's source), and the RoPE
     tables of the model traced at max_seq_len: two more static traces (build_programs
     derives both from the prefill's trace where the model traces at any length)."""
@@ -256,15 +259,15 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     batch, _ = ids.type.shape
     if _is_onnx(model):
         raise _refuse_onnx_decode()
-    loaded = loaded or _load(model, input_dtypes)
+    loaded = loaded or _load(model, input_dtypes, trust_pickle)
     positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
     full = _import(loaded, _export(loaded, {ids.name: (batch, max_seq_len)}))
     return decode, _rope_tables(full)
 
 
-def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int
-                   ) -> tuple[Graph, Graph, list[RopeTables], Source]:
+def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
+                   *, trust_pickle: bool = False) -> tuple[Graph, Graph, list[RopeTables], Source]:
     """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
     tokens at positions 0..), the decode program (one token, traced at
     DECODE_TRACE_POSITION) and the RoPE tables of every position to cache.
@@ -274,10 +277,10 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     again. A model that does not trace at a symbolic length (a branch on it, a
     data-dependent size) is traced three times at static shapes instead."""
     if _is_onnx(model):
-        prefill, source = build_graph(model, input_shape, input_dtypes)
+        prefill, source = build_graph(model, input_shape, input_dtypes, trust_pickle=trust_pickle)
         _token_ids(prefill, max_seq_len)
         raise _refuse_onnx_decode()
-    loaded = _load(model, input_dtypes)
+    loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
     source = Source(loaded.kind, loaded.files)
     programs = _one_trace(loaded, shapes, max_seq_len)
@@ -484,6 +487,7 @@ def compile_model(
     depfile: str | os.PathLike[str] | None = None,
     extra_deps: Sequence[str] = (),
     progress: Progress | None = None,
+    trust_pickle: bool = False,
 ) -> str:
     """Compile `model` to `<output>.om` and return that path.
 
@@ -505,7 +509,9 @@ def compile_model(
     `out_nodes` ("name;name:1", ATC's syntax) picks the
     graph outputs; `input_format` (ND, NCHW) is checked against the inputs and recorded.
     `depfile` gets Make rules naming every file read (plus `extra_deps`, e.g. a config
-    file); `progress` hears of each stage. Every option is checked before the model is read."""
+    file); `progress` hears of each stage. `trust_pickle` loads a `.pt2` whose payload
+    needs pickle, which runs code from the file (refused by default: compiler/pt2_safety.py).
+    Every option is checked before the model is read."""
     progress = progress or NullProgress()
     target = get_target(soc_version)
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
@@ -531,9 +537,10 @@ def compile_model(
     progress.stage("import")
     decode_graph: Graph | None = None
     if max_seq_len is None:
-        graph, source = build_graph(model, input_shape, input_dtypes)
+        graph, source = build_graph(model, input_shape, input_dtypes, trust_pickle=trust_pickle)
     else:
-        graph, decode_graph, tables, source = build_programs(model, input_shape, input_dtypes, max_seq_len)
+        graph, decode_graph, tables, source = build_programs(model, input_shape, input_dtypes, max_seq_len,
+                                                             trust_pickle=trust_pickle)
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,

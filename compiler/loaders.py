@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from npuc.compiler.pt2_safety import load_pt2
 from npuc.compiler.quant_import import read_hf_quantization
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import safetensors_layout
@@ -115,7 +116,8 @@ class LoadedModel:
         return TensorSource(tensor.detach(), "module")
 
 
-def load_source(model: Any) -> LoadedModel:
+def load_source(model: Any, *, trust_pickle: bool = False) -> LoadedModel:
+    """`trust_pickle` loads a `.pt2` torch would unpickle (running its code); see pt2_safety."""
     if isinstance(model, nn.Module):
         return LoadedModel(model.eval(), "module")
     if isinstance(model, torch.export.ExportedProgram):
@@ -131,11 +133,7 @@ def load_source(model: Any) -> LoadedModel:
                             exit_code=EXIT_USAGE)
         return load_hf_dir(path)
     if path.suffix == ".pt2":
-        try:
-            ep = torch.export.load(str(path))
-        except Exception as e:  # a corrupt archive is a user problem, not a crash
-            raise NpucError("NPUC-E0407", f"cannot read {str(path)!r} as a torch.export archive: {e}",
-                            "save it with torch.export.save(ep, path)", exit_code=EXIT_IO) from None
+        ep = load_pt2(str(path), trust_pickle=trust_pickle)
         loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep), program=ep)
         loaded.files.append(str(path))
         return loaded

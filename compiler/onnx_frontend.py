@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from npuc.compiler.onnx_checks import check_graph, check_model, converting, external_data
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import file_range_chunks
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, InternalError, NpucError
@@ -64,10 +65,10 @@ class OnnxTensorSource:
         self.base_dir = base_dir
         self.dtype = onnx_dtype(tensor.data_type, f"initializer {tensor.name!r}")
         self.shape = tuple(int(d) for d in tensor.dims)
-        ext = {e.key: e.value for e in tensor.external_data}
-        self.location = ext.get("location") if tensor.data_location == 1 else None
-        self.offset = int(ext.get("offset", 0))
-        self.length = int(ext["length"]) if "length" in ext else None
+        ext = external_data(tensor, base_dir) if tensor.data_location == 1 else None  # refuses escapes
+        self.location = os.path.relpath(ext.path, base_dir) if ext else None
+        self.offset: int = ext.offset if ext else 0
+        self.length: int | None = ext.length if ext else None
         self.in_memory = self.location is None  # inline initializers are already in the loaded proto
 
     def files(self) -> list[str]:
@@ -130,6 +131,7 @@ def load_onnx(path: str) -> OnnxModel:
     except Exception as e:
         raise NpucError("NPUC-E0407", f"cannot read {path!r} as an ONNX model: {str(e).splitlines()[0]}",
                         "export it with torch.onnx.export or onnx.save", exit_code=EXIT_IO) from None
+    check_model(proto, path)  # structure, tensor sizes, external data: before anything else reads it
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise NpucError("NPUC-E0310", f"{path!r} uses ONNX opset {opset}; npuc reads opsets {MIN_OPSET} to {MAX_OPSET}",
@@ -137,6 +139,7 @@ def load_onnx(path: str) -> OnnxModel:
                         exit_code=EXIT_UNSUPPORTED)
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
+        check_graph(proto.graph, opset)  # function bodies are checked as inlined
     inits = {t.name for t in proto.graph.initializer}
     inputs = {}
     for vi in proto.graph.input:
@@ -150,11 +153,9 @@ def load_onnx(path: str) -> OnnxModel:
         inputs[vi.name] = DeclaredInput(dtype, dims)
     model = OnnxModel(proto, path, opset, inputs, [path])
     base = os.path.dirname(os.path.abspath(path))
-    for t in proto.graph.initializer:
-        if t.data_location == 1:
-            loc = {e.key: e.value for e in t.external_data}.get("location")
-            if loc and os.path.join(base, loc) not in model.files:
-                model.files.append(os.path.join(base, loc))
+    for ext in (external_data(t, base) for t in proto.graph.initializer if t.data_location == 1):
+        if ext.path not in model.files:
+            model.files.append(ext.path)
     return model
 
 
@@ -281,13 +282,9 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
         env[vi.name] = g.add_input(vi.name, TensorType(shapes[vi.name], dtype))
     for node in proto.graph.node:
         ctx.node = node
-        ins = [env[i] if i else None for i in node.input]
-        for i in node.input:
-            if i and i not in env:
-                raise NpucError("NPUC-E0312", f"{ctx.where} reads {i!r}, which nothing defines",
-                                "the ONNX graph is malformed (run onnx.checker)", exit_code=EXIT_USAGE)
-        attrs = {a.name: _attr(a) for a in node.attribute}
-        outs = CONVERTERS[op_key(node)](ctx, node, ins, attrs)
+        ins = [env[i] if i else None for i in node.input]  # check_graph: each is defined before
+        with converting(ctx.where):
+            outs = CONVERTERS[op_key(node)](ctx, node, ins, {a.name: _attr(a) for a in node.attribute})
         for name, v in zip(node.output, outs, strict=False):
             if not name:
                 continue
@@ -338,15 +335,15 @@ def _inferred_types(proto: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str,
 
     p = onnx.ModelProto()
     p.CopyFrom(proto)
+    del p.graph.value_info[:]  # what the file declares is no inference: compare only what ONNX infers
+    for vi in [*p.graph.output, *(vi for vi in p.graph.input if vi.name in shapes)]:
+        vi.type.tensor_type.ClearField("shape")
     for vi in p.graph.input:
-        if vi.name in shapes:
-            dims = vi.type.tensor_type.shape.dim
-            del dims[:]
-            for d in shapes[vi.name]:
-                dims.add().dim_value = d
+        for d in shapes.get(vi.name, ()):
+            vi.type.tensor_type.shape.dim.add().dim_value = d
     try:
-        p = onnx.shape_inference.infer_shapes(p, strict_mode=False, data_prop=True)
-    except Exception:  # inference is a cross-check, not a requirement
+        p = onnx.shape_inference.infer_shapes(p, strict_mode=True, data_prop=True)
+    except Exception:  # a cross-check, not a requirement; strict: none for a model ONNX finds inconsistent
         return {}
     out = {}
     for vi in list(p.graph.value_info) + list(p.graph.output):

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from npuc.compiler.onnx_checks import external_data
 from npuc.compiler.onnx_frontend import _Ctx, converts, onnx_dtype
 from npuc.compiler.quant_import import Parts, Repacked, RepackedSource, ReshapedSource, npuc_codes
 from npuc.compiler.weights import file_range_chunks
@@ -58,9 +59,9 @@ class OnnxInt4Source:
         self.signed = tensor.data_type == INT4
         self.dtype = DType.i8 if self.signed else DType.u8
         self.shape = tuple(int(d) for d in tensor.dims)
-        ext = {e.key: e.value for e in tensor.external_data}
-        self.location = ext.get("location") if tensor.data_location == 1 else None
-        self.offset = int(ext.get("offset", 0))
+        ext = external_data(tensor, base_dir) if tensor.data_location == 1 else None  # refuses escapes
+        self.location = os.path.relpath(ext.path, base_dir) if ext else None
+        self.offset = ext.offset if ext else 0
         self.in_memory = self.location is None
 
     def load(self) -> torch.Tensor:

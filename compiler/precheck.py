@@ -67,7 +67,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              prefill_logits: str | None = None, out_nodes: str | Sequence[str] | None = None,
              input_format: str = "ND", quant_type: str | None = None, group_size: int | None = None,
              quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
-             quant_strict: bool = False) -> PrecheckReport:
+             quant_strict: bool = False, trust_pickle: bool = False) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -94,7 +94,8 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
         from npuc.compiler.onnx_frontend import check_supported, load_onnx
 
         attempt("operators", lambda: check_supported(load_onnx(os.fspath(model))), None)
-    graph: Graph | None = attempt("import", lambda: build_graph(model, input_shape, input_dtypes)[0], None)
+    graph: Graph | None = attempt("import", lambda: build_graph(model, input_shape, input_dtypes,
+                                                                    trust_pickle=trust_pickle)[0], None)
     if graph is None:
         report.skipped.append("outputs, pipeline, dtypes, memory: the model did not import")
         return report
@@ -103,7 +104,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     graphs: list[Graph] = []
     if max_seq_len:
         def decode() -> None:
-            dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes)
+            dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes, trust_pickle=trust_pickle)
             select_outputs(dg, out_nodes)
             for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables, rows,
                                                                       quantize), strict=True):

@@ -344,12 +344,10 @@ def _named_outputs(out: Any, names: Sequence[str] | None = None) -> dict[str, to
     return {(use[i] if use else f"output_{i}"): t for i, t in enumerate(tensors)}
 
 
-def _run_pt2(path: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    try:
-        ep = torch.export.load(path)
-    except Exception as e:
-        raise NpucError("NPUC-E0407", f"cannot read {path!r} as a torch.export archive: {e}",
-                        "save it with torch.export.save(ep, path)", exit_code=EXIT_IO) from None
+def _run_pt2(path: str, feeds: Mapping[str, torch.Tensor], trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    from npuc.compiler.pt2_safety import load_pt2
+
+    ep = load_pt2(path, trust_pickle=trust_pickle)
     flat: list[Any] = []
     user = []
     for s in ep.graph_signature.input_specs:
@@ -505,13 +503,15 @@ class _LayerComparer:
 # -- verify --------------------------------------------------------------------------
 
 def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: float = 1e-4, rtol: float = 1e-3,
-           per_layer: bool = False, seed: int = 0, *, op_lookup: OpLookup | None = None) -> VerifyReport:
+           per_layer: bool = False, seed: int = 0, *, op_lookup: OpLookup | None = None,
+           trust_pickle: bool = False) -> VerifyReport:
     """Run `om_path` and `against` on the same inputs and compare their outputs (and,
     with `per_layer`, the `.om`'s intermediates with the source's unoptimised graph).
 
     Raises NpucError for bad arguments, unreadable inputs or a source that will not run;
     a numeric disagreement is reported (`report.ok` false), not raised. `op_lookup`
-    gives the reference graph's kernels (the registry's by default)."""
+    gives the reference graph's kernels (the registry's by default). A `.pt2` source that
+    needs pickle is refused unless `trust_pickle` (compiler/pt2_safety.py)."""
     from npuc.runtime import Session
 
     for flag, v in (("--atol", atol), ("--rtol", rtol)):
@@ -519,6 +519,10 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
             raise NpucError(E_TOLERANCE, f"{flag} {v!r} is not a non-negative number",
                             "give tolerances such as --atol 1e-4 --rtol 1e-3", exit_code=EXIT_USAGE)
     kind = _source_kind(against)
+    if kind == "pt2" and not trust_pickle:
+        from npuc.compiler.pt2_safety import check_pt2
+
+        check_pt2(against)  # before anything runs
     sess = Session.load(om_path)
     program = next(iter(sess.programs))
     prog = sess.programs[program]
@@ -539,7 +543,8 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
     if per_layer:
         from npuc.compiler.driver import build_graph
 
-        graph, _ = build_graph(against, {t.name: t.shape for t in prog.inputs if t.name in src_feeds})
+        graph, _ = build_graph(against, {t.name: t.shape for t in prog.inputs if t.name in src_feeds},
+                               trust_pickle=trust_pickle)
         missing = sorted({v.name for v in graph.inputs} - set(src_feeds))
         if missing:
             notes.append(f"per-layer skipped: the source graph's inputs {missing} are not the .om's")
@@ -550,7 +555,7 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
             layer = _LayerComparer(out_names, ref, float(atol), float(rtol))
 
     got = sess.run(feeds, program, copy_outputs=True, on_step=layer)
-    src = _RUNNERS[kind](against, src_feeds)
+    src = (_run_pt2(against, src_feeds, trust_pickle) if kind == "pt2" else _RUNNERS[kind](against, src_feeds))
 
     outputs: list[OutputStat] = []
     om_names = [t.name for t in prog.outputs]

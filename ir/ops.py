@@ -1096,16 +1096,18 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, a: A) -> tuple[to
     return idx, weights * a["routed_scale"]
 
 
-def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                gate_up: torch.Tensor | Callable[[int], torch.Tensor],
+                down: torch.Tensor | Callable[[int], torch.Tensor], experts: int, inter: int) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ swiglu(gate_up[e] @ x[t]) with e = idx[t, j], grouped by
     expert: the token-slots are sorted by expert id and each expert runs one GEMM over its
-    contiguous rows (a loop over the experts hit, never over tokens)."""
+    contiguous rows (a loop over the experts hit, never over tokens). gate_up and down are
+    stacked [E, ...] weights, or a function of the expert id (a quantized expert, unpacked
+    only when a token picks it)."""
     t, k = idx.shape
-    inter = down.shape[2]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=experts).tolist()
     rows = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -1113,8 +1115,10 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_
             continue
         slots = order[start:start + n]
         start += n
-        gate, up = F.linear(x[slots // k], gate_up[e]).split(inter, dim=1)
-        rows[slots] = F.linear(F.silu(gate) * up, down[e])
+        gu = gate_up(e) if callable(gate_up) else gate_up[e]
+        dn = down(e) if callable(down) else down[e]
+        gate, up = F.linear(x[slots // k], gu).split(inter, dim=1)
+        rows[slots] = F.linear(F.silu(gate) * up, dn)
     rows *= weights.reshape(-1, 1).to(x.dtype)
     return rows.view(t, k, -1).sum(dim=1)  # each token's k slots, in top-k order
 
@@ -1123,7 +1127,7 @@ def _fused_moe_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     x, router, gate_up, down = xs[:4]
     bias = xs[4] if len(xs) > 4 else None
     idx, weights = moe_route(F.linear(x.float(), router.float()), bias, a)
-    return moe_experts(x, idx, weights, gate_up, down)
+    return moe_experts(x, idx, weights, gate_up, down, gate_up.shape[0], down.shape[2])
 
 
 def _fused_moe_flops(ins: T, outs: T, attrs: A) -> int:

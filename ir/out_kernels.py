@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from npuc.ir.ops import _BINARY, _FLOAT_UNARY, _NUMERIC_UNARY
+from npuc.ir.quant import qmoe_dequantized  # registers qmoe, whose out-kernel is below
 from npuc.ir.registry import REGISTRY, OutKernelFn, WorkspaceFn
 from npuc.ir.types import DType, TensorType
 
@@ -368,23 +369,80 @@ def _moe_ws(ins: T, outs: T, a: A) -> int:
 
 @out_kernel("fused_moe", workspace=_moe_ws)
 def _fused_moe(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
-    """The reference kernel's steps, in its order, on workspace tensors (ir/ops.py moe_route,
-    moe_experts): every top-k a stable sort, the experts' GEMMs over each one's contiguous slots."""
-    from npuc.ir.ops import MOE_MASK_FILL
-
     x, router, gate_up, down = xs[:4]
-    bias = xs[4] if len(xs) > 4 else None
     if any(v.dtype != torch.float32 for v in xs) or not x.is_contiguous():
         return False
     assert ws is not None
+    return _moe(x, router, xs[4] if len(xs) > 4 else None, [TensorType(tuple(v.shape), DType.f32) for v in xs],
+                lambda e: (gate_up[e], down[e]), a, outs[0], ws)
+
+
+def _qmoe_ws(ins: T, outs: T, a: A) -> int:
+    moe = qmoe_dequantized(ins, a)
+    gu, dn = moe[2].shape[1:], moe[3].shape[1:]
+    return _moe_ws(moe, outs, a) + (math.prod(gu) + math.prod(dn)) * F32 + max(math.prod(gu), math.prod(dn)) + 16
+
+
+@out_kernel("qmoe", workspace=_qmoe_ws)
+def _qmoe(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    """fused_moe's steps, with each picked expert's weights unpacked into the workspace
+    first, as dequantize_ref computes them: (code - zero) * scale in f32."""
+    x, router = xs[0], xs[1]
+    if x.dtype != torch.float32 or router.dtype != torch.float32 or not x.is_contiguous() \
+            or not all(v.is_contiguous() for v in xs[2:8]) or any(v.dtype != torch.float32 for v in xs[8:]):
+        return False
+    assert ws is not None
+    bits = a["bits"]
+    moe = qmoe_dequantized([TensorType(tuple(v.shape), DType.from_torch(v.dtype)) for v in xs], a)
+    gu_shape, dn_shape = moe[2].shape[1:], moe[3].shape[1:]
+    off = _moe_ws(moe, [], a)
+    gu = _f32(ws, off, gu_shape)
+    off += math.prod(gu_shape) * F32
+    dn = _f32(ws, off, dn_shape)
+    off += math.prod(dn_shape) * F32
+    codes = ws[off:off + max(math.prod(gu_shape), math.prod(dn_shape)) // 2]
+    nibble = ws[off + max(math.prod(gu_shape), math.prod(dn_shape)):][:2]
+    nibble[0], nibble[1] = 15, 4
+
+    def unpack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, g: int) -> torch.Tensor:
+        n, kk = out.shape
+        if bits == 8:
+            out.copy_(q)
+        else:
+            c = codes[:q.numel()].view(q.shape)
+            pairs = out.view(n, kk // 2, 2)
+            torch.bitwise_and(q, nibble[0], out=c)
+            pairs[..., 0].copy_(c)
+            torch.bitwise_right_shift(q, nibble[1], out=c)
+            pairs[..., 1].copy_(c)
+        groups = out.view(n, kk // g, g)
+        groups.sub_(zero.unsqueeze(-1))
+        groups.mul_(scale.unsqueeze(-1))
+        return out
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (unpack(xs[2][e], xs[3][e], xs[4][e], gu, a["group_size"]),
+                unpack(xs[5][e], xs[6][e], xs[7][e], dn, a["down_group_size"]))
+
+    return _moe(x, router, xs[8] if len(xs) > 8 else None, moe, expert, a, outs[0], ws)
+
+
+def _moe(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, types: T,
+         expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], a: A, out: torch.Tensor, ws: torch.Tensor
+         ) -> bool:
+    """The reference kernel's steps, in its order, on workspace tensors (ir/ops.py moe_route,
+    moe_experts): every top-k a stable sort, the experts' GEMMs over each one's contiguous
+    slots; `expert(e)` gives expert e's gate_up [2I, H] and down [H, I]."""
+    from npuc.ir.ops import MOE_MASK_FILL
+
     w: dict[str, torch.Tensor] = {}
     off = 0
-    for name, shape, dt in _moe_layout([TensorType(tuple(v.shape), DType.f32) for v in xs], a):
+    for name, shape, dt in _moe_layout(types, a):
         n = math.prod(shape) * (8 if dt == torch.int64 else 1 if dt == torch.bool else F32)
         w[name] = ws[off:off + n].view(dt).view(shape)
         off += (n + 7) // 8 * 8
     (t, e), g, kg, k = w["scores"].shape, a["n_group"], a["topk_group"], a["top_k"]
-    inter = down.shape[2]
+    inter = types[3].shape[2]
     w["fill"].fill_(MOE_MASK_FILL[a["scoring"]])
     torch.mm(x, router.t(), out=w["choice"])  # the logits, for now
     if a["scoring"] == "sigmoid":
@@ -435,11 +493,12 @@ def _fused_moe(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
             continue
         xe, gu, act, y = w["x"][lo:hi], w["gate_up"][lo:hi], w["act"][lo:hi], w["y"][lo:hi]
         torch.index_select(x, 0, w["tokens"][lo:hi], out=xe)
-        torch.mm(xe, gate_up[ex].t(), out=gu)
+        w_gu, w_dn = expert(ex)
+        torch.mm(xe, w_gu.t(), out=gu)
         torch.ops.aten.silu.out(gu[:, :inter], out=act)
         act.mul_(gu[:, inter:])
-        torch.mm(act, down[ex].t(), out=y)
+        torch.mm(act, w_dn.t(), out=y)
         w["rows"].index_copy_(0, w["slots"][lo:hi], y)
     w["rows"].mul_(weights.view(-1, 1))
-    torch.sum(w["rows"].view(t, k, -1), dim=1, out=outs[0])
+    torch.sum(w["rows"].view(t, k, -1), dim=1, out=out)
     return True

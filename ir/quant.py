@@ -16,7 +16,8 @@ Every importer (GPTQ, AWQ, MatMulNBits, blocked DequantizeLinear) and the compil
 quantizer (`--quant_type`) produce exactly this, so there is one reference of what a
 quantized weight means: `dequantize_ref`. `dequantize` is that reference as an op;
 `qlinear` is `linear` over a quantized weight (passes/quant_fusion.py makes it), whose
-kernels read the packed bytes without ever forming W.
+kernels read the packed bytes without ever forming W; `qmoe` is `fused_moe` over quantized
+experts, unpacking only the experts a run's tokens pick.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from npuc.ir.ops import ShapeError
-from npuc.ir.registry import Attr, op
+from npuc.ir.ops import ShapeError, moe_experts, moe_route
+from npuc.ir.registry import REGISTRY, Attr, op
 from npuc.ir.types import DType, TensorType
 
 T = Sequence[TensorType]
@@ -169,6 +170,45 @@ def _qlinear(ins: T, attrs: A) -> list[TensorType]:
     if len(ins) == 5 and (ins[4].shape != (n,) or ins[4].dtype != x.dtype):
         raise ShapeError(f"qlinear bias {ins[4]} does not fit {n} outputs of {x.dtype}")
     return [TensorType(x.shape[:-1] + (n,), x.dtype)]
+
+
+def _qmoe_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, router = xs[0], xs[1]
+    gq, gs, gz, dq, ds, dz = xs[2:8]
+    bias = xs[8] if len(xs) > 8 else None
+    bits, g, dg = a["bits"], a["group_size"], a["down_group_size"]
+    idx, weights = moe_route(F.linear(x.float(), router.float()), bias, a)
+    return moe_experts(x, idx, weights, lambda e: dequantize_ref(gq[e], gs[e], gz[e], bits, g, x.dtype),
+                       lambda e: dequantize_ref(dq[e], ds[e], dz[e], bits, dg, x.dtype), gq.shape[0],
+                       dq.shape[2] * (2 if bits == 4 else 1))
+
+
+def qmoe_dequantized(ins: T, attrs: A) -> list[TensorType]:
+    """fused_moe's operands with the experts' weights as dequantize makes them (in x's dtype)."""
+    if len(ins) not in (8, 9):
+        raise ShapeError("qmoe takes x, router_weight, gate_up's q/scale/zero, down's q/scale/zero and an optional "
+                         "correction_bias")
+    x = ins[0]
+    k_gu = _check_quantized(ins[2], ins[3], ins[4], attrs)
+    k_dn = _check_quantized(ins[5], ins[6], ins[7], {**attrs, "group_size": attrs["down_group_size"]})
+    gate_up = TensorType(ins[2].shape[:-1] + (k_gu,), x.dtype)
+    down = TensorType(ins[5].shape[:-1] + (k_dn,), x.dtype)
+    if ins[2].rank != 3 or ins[5].rank != 3:
+        raise ShapeError(f"qmoe's expert codes {ins[2]} and {ins[5]} must be [experts, out, in]")
+    return [x, ins[1], gate_up, down, *ins[8:]]
+
+
+_MOE_ATTRS = {k: v for k, v in REGISTRY["fused_moe"].attrs.items()}
+
+
+@op("qmoe", ("x", "router_weight", "gate_up_q", "gate_up_scale", "gate_up_zero", "down_q", "down_scale", "down_zero",
+             "correction_bias?"), {**_MOE_ATTRS, **_QATTRS, "down_group_size": Attr("int")},
+    kernel=_qmoe_kernel, flops=lambda ins, outs, a: REGISTRY["fused_moe"].flops(qmoe_dequantized(ins, a), outs, a),
+    unit="cube", doc="fused_moe over quantized experts (gate_up and down each as dequantize's q, scale, zero, "
+                     "stacked [E, ...], in groups of group_size and down_group_size); an expert's weight is "
+                     "unpacked, to x's dtype, only when a token picks it")
+def _qmoe(ins: T, attrs: A) -> list[TensorType]:
+    return REGISTRY["fused_moe"].infer_types(qmoe_dequantized(ins, attrs), attrs)
 
 
 def dequantize_attrs(bits: int, group_size: int, dtype: DType) -> dict[str, Any]:

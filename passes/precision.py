@@ -89,12 +89,13 @@ MODES = ("must_keep_origin_dtype", "force_fp32", "force_fp16", "allow_fp32_to_fp
 ALIASES = {"allow_fp32_to_bf16": "allow_mix_precision_bf16"}
 # The matrix unit's ops. Those that read the KV cache convert with it (see above).
 CUBE_OPS = frozenset({"linear", "qlinear", "matmul", "fused_attention", "cached_attention", "mla_attention",
-                      "fused_moe"})
+                      "fused_moe", "qmoe"})
 # The ops that read a layer's KV cache (prefill's reads the rows it writes, decode's the state).
 ATTENTION = frozenset({"fused_attention", "cached_attention", "mla_attention"})
 # Operands a converted op keeps as they are: fused_moe routes in f32 (its kernel reads the
 # router in f32), since rounding the router's weights or bias can flip which experts a token gets.
-_KEEP_OPERANDS = {"fused_moe": frozenset({1, 4}), "qlinear": frozenset({1, 2, 3})}  # qlinear: codes, scales, zeros
+# qlinear and qmoe: codes, scales, zeros (qmoe unpacks to x's dtype).
+_KEEP_OPERANDS = {"fused_moe": frozenset({1, 4}), "qlinear": frozenset({1, 2, 3}), "qmoe": frozenset(range(1, 9))}
 _NO_CONVERT = frozenset({"cast", "gather", "reshape", "transpose", "expand", "slice", "concat", "split", "kv_write",
                          "dequantize"})
 # Ops that only move values: a cast commutes with them exactly.

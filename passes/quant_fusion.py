@@ -11,11 +11,20 @@ codes itself, so no dequantized copy of a weight is ever made at run time.
   ->
     %e = dequantize[bits, group_size](gather(@q, %ids), gather(@scale, %ids), gather(@zero, %ids))
 
+    %gu : f32[E,2I,H] = dequantize[bits, group_size](@gu.q, @gu.scale, @gu.zero)
+    %dn : f32[E,H,I]  = dequantize[bits, group_size](@dn.q, @dn.scale, @dn.zero)
+    %y = fused_moe[...](%x, @router, %gu, %dn, @bias?)
+  ->
+    %y = qmoe[..., bits, group_size, down_group_size](%x, @router, @gu.q, @gu.scale, @gu.zero, @dn.q, @dn.scale,
+                                                      @dn.zero, @bias?)
+
+(qmoe unpacks only the experts the tokens pick, when they pick them.)
+
 The dequantize nodes come from `--quant_type` (passes/quantize.py) or from an imported
 quantized model (GPTQ, AWQ, MatMulNBits, ONNX DequantizeLinear). Left alone: a
 dequantized weight in layout kn (its groups would run along N), and other readers of a
-dequantized weight (fused_moe's experts): they dequantize on every run, which is correct
-and slow (docs/quantization.md).
+dequantized weight: they dequantize on every run, which is correct and slow
+(docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ from npuc.ir import Graph, Node, Value, get_op
 from npuc.passes.manager import Pass, PassResult
 
 
-def _dequantized(node: Node, index: int) -> Node | None:
+def _dequantized(node: Node, index: int, rank: int = 2) -> Node | None:
     p = node.inputs[index].producer
-    return p if p is not None and p.op == "dequantize" and p.outputs[0].type.rank == 2 else None
+    return p if p is not None and p.op == "dequantize" and p.outputs[0].type.rank == rank else None
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class QuantFusion(Pass):
     name = "quant-fusion"
 
     def call(self, g: Graph) -> PassResult:
-        details: dict[str, list[str]] = {"qlinear": [], "qgather": []}
+        details: dict[str, list[str]] = {"qlinear": [], "qgather": [], "qmoe": []}
         for node in list(g.nodes):
             if node.op == "linear" and get_op("linear").full_attrs(node.attrs)["weight_layout"] == "nk":
                 dq = _dequantized(node, 1)
@@ -59,10 +68,19 @@ class QuantFusion(Pass):
                         for v, part in zip(dq.inputs, ("q", "scale", "zero"), strict=True)]
                 self._replace(g, node, "dequantize", rows, dict(dq.attrs))
                 details["qgather"].append(node.name)
+            elif node.op == "fused_moe":
+                gu, dn = _dequantized(node, 2, 3), _dequantized(node, 3, 3)
+                if gu is None or dn is None or dn.attrs["bits"] != gu.attrs["bits"] \
+                        or any(d.outputs[0].type.dtype != node.inputs[0].type.dtype for d in (gu, dn)):
+                    continue
+                attrs = {**node.attrs, "bits": gu.attrs["bits"], "group_size": gu.attrs["group_size"],
+                         "down_group_size": dn.attrs["group_size"]}
+                self._replace(g, node, "qmoe", [*node.inputs[:2], *gu.inputs, *dn.inputs, *node.inputs[4:]], attrs)
+                details["qmoe"].append(node.name)
         for node in list(g.nodes):  # dequantize nodes nothing reads any more
             if node.op == "dequantize" and not node.outputs[0].uses and not g.is_root(node.outputs[0]):
                 g.remove_node(node)
-        return PassResult(g, bool(details["qlinear"] or details["qgather"]), details)
+        return PassResult(g, any(details.values()), details)
 
     @staticmethod
     def _replace(g: Graph, node: Node, op: str, ins: list[Value], attrs: dict[str, Any]) -> None:

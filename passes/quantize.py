@@ -45,7 +45,7 @@ QUANT_TYPES = {"w8a16": 8, "w4a16": 4}
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP = {8: None, 4: 128}  # None: one group per output channel
 CUBE = frozenset({"linear", "matmul", "qlinear", "fused_attention", "cached_attention", "mla_attention",
-                  "fused_moe"})
+                  "fused_moe", "qmoe"})
 
 
 def check_quant(quant_type: str | None, group_size: int | None) -> tuple[int, int | None] | None:

@@ -55,8 +55,8 @@ from onnx import AttributeProto, TensorProto, helper
 import npuc
 from npuc.errors import EXIT_IO, EXIT_USAGE, InternalError, NpucError
 from npuc.ir import DType, get_op
-from npuc.runtime.om_tools import _check_tensors, _open
-from npuc.runtime.session import _attr
+from npuc.runtime.om_tools import _open
+from npuc.runtime.om_validate import attr_value, check_tensors
 
 __all__ = ["DOMAIN", "MAPPING", "OPSET", "ExportSummary", "export_onnx", "onnx_model"]
 
@@ -476,7 +476,7 @@ class _Graph:
     def _node(self, step: int, o: Any) -> onnx.NodeProto:
         t = self.m.tensors
         name = o.name or f"{o.op}_{step}"
-        raw = {a.name: _attr(a.value) for a in o.attrs}
+        raw = {a.name: attr_value(a.value) for a in o.attrs}
         try:
             od = get_op(o.op)
         except InternalError:
@@ -606,7 +606,7 @@ def export_onnx(om_path: str, out_path: str, program: str | None = None, weights
         raise ValueError(f"weights must be 'auto', 'embed' or 'external', not {weights!r}")
     om_path, out_path = os.fspath(om_path), os.fspath(out_path)
     with _open(om_path, verify_weights=False) as (om, m), om.section("weights") as wv:
-        _check_tensors(om_path, m, len(wv), max(p.plan.arena_bytes for p in m.programs))
+        check_tensors(om_path, m, len(wv), max(p.plan.arena_bytes for p in m.programs))
         g = _Graph(m, _select(m, program), om_path)
         built = g.build()
         total = sum(m.tensors[i].nbytes for i in g.weights)

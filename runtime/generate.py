@@ -14,17 +14,15 @@ or when the cache is full.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from npuc.errors import EXIT_USAGE, NpucError
+from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
+from npuc.runtime.om_validate import check_tokenizer
 from npuc.runtime.session import Session
 
 # The prefill input naming the row whose logits it computes (passes/last_token_logits.py).
@@ -125,15 +123,17 @@ def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[li
     except ImportError:
         raise NpucError("NPUC-E0104", "--prompt needs transformers to run the stored tokenizer",
                         "pip install 'npuc[hf]', or pass --prompt-ids", exit_code=EXIT_USAGE) from None
-    files: dict[str, Any] = json.loads(bytes(s.om.section("tokenizer")))
+    files = check_tokenizer(str(s.om.path), bytes(s.om.section("tokenizer")))  # checked at load, too
     with tempfile.TemporaryDirectory() as d:
         for name, data in files.items():
-            if os.path.basename(name) != name or name.startswith("."):
-                raise NpucError("NPUC-E0126", f"the stored tokenizer names a file {name!r}",
-                                "the file is corrupt; recompile it", exit_code=EXIT_USAGE)
             with open(os.path.join(d, name), "wb") as f:
-                f.write(base64.b64decode(data))
-        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+                f.write(data)
+        try:
+            tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - well-formed files that transformers still cannot read
+            raise NpucError("NPUC-E0411", f"the stored tokenizer does not load: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
+                            "the file is damaged; recompile it", exit_code=EXIT_IO) from None
 
     def encode(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=True)["input_ids"])

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from npuc.runtime.session import Program, Session, TensorInfo, _attr
+from npuc.runtime.om_validate import attr_value
+from npuc.runtime.session import Program, Session, TensorInfo
 
 
 def _t(t: TensorInfo, kind: str) -> str:
@@ -51,7 +52,7 @@ def _program(s: Session, p: Program, summary: bool) -> list[str]:
     lines.append("")
     width = max((len(o.op) for o in prog.ops), default=4)
     for i, o in enumerate(prog.ops):
-        attrs = ", ".join(f"{a.name}={_attr(a.value)!r}" for a in o.attrs)
+        attrs = ", ".join(f"{a.name}={attr_value(a.value)!r}" for a in o.attrs)
         outs = ", ".join(_t(s.tensors[j], "out") for j in o.outputs)
         ins = ", ".join(_t(s.tensors[j], "in") for j in o.inputs)
         head = f"#{i:<4} {o.unit:<6} {o.op:<{width}}  {outs}"

@@ -7,9 +7,11 @@
 
 `info` and `dump --json` check the container's structure and the model
 definition's checksum but do not hash the weights, so they stay quick on large
-models; `validate` checks everything. `validate` trusts nothing the compiler
-recorded: it rebuilds the planner's `Buffer`s from `MemoryPlan.buffers` and the
-tensor offsets and runs the same `validate_plan` the compiler ran, and checks
+models; `validate` checks everything, with the checks every load runs
+(runtime/om_validate.py: tensors, the ops against the registry, writes outside the
+weights, indices, memory and its cap, metadata, tokenizer). It trusts nothing the
+compiler recorded: it rebuilds the planner's `Buffer`s from `MemoryPlan.buffers` and
+the tensor offsets and runs the same `validate_plan` the compiler ran, and checks
 that each buffer is live at every step its tensor is used. So a plan damaged or
 edited after compiling (even with fresh checksums) is reported here as a bad
 file, not found later as wrong numbers.
@@ -22,27 +24,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from npuc.backend.memory_plan import Buffer, Plan, validate_plan
 from npuc.backend.om_format import FORMAT_VERSION, OmFile, SectionInfo
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, InternalError, NpucError
-from npuc.ir import DType, get_op
+from npuc.runtime.om_validate import check_structure, validate_model
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
 
 WEIGHTS = "weights"
 
-E_BOUNDS = "NPUC-E0404"
 E_PARSE = "NPUC-E0405"
-E_UNKNOWN_OP = "NPUC-E0408"
-E_PLAN = "NPUC-E0409"
 
 _HINT = "the file is damaged or was edited after compiling; recompile the model with `npuc compile`"
 
@@ -64,7 +61,7 @@ def _open(path: str, *, verify_weights: bool) -> Iterator[tuple[OmFile, Any]]:
             if not verify_weights and hashlib.sha256(raw[name]).hexdigest() != _info(om, name).sha256:
                 raise _bad(E_PARSE, f"section '{name}' of {path} fails its checksum: the file is corrupt")
         model = join_model(path, raw)
-        _check_structure(path, model)
+        check_structure(path, model)
         yield om, model
 
 
@@ -74,20 +71,6 @@ def _info(om: OmFile, name: str) -> SectionInfo:
             return s
     om.section(name)  # raises the container's own "no section" error
     raise InternalError(f"section {name!r} not found")
-
-
-def _check_structure(path: str, model: Any) -> None:
-    """Everything else here indexes freely once this passes: a program exists, every index is a tensor."""
-    if not model.programs:
-        raise _bad(E_PARSE, f"{path}: the model definition has no program")
-    n = len(model.tensors)
-    for prog in model.programs:
-        refs = [*prog.inputs, *prog.outputs, *(b.tensor for b in prog.plan.buffers)]
-        for op in prog.ops:
-            refs += [*op.inputs, *op.outputs, *([op.workspace] if op.HasField("workspace") else [])]
-        bad = [i for i in refs if not 0 <= i < n]
-        if bad:
-            raise _bad(E_BOUNDS, f"{path}: program {prog.name!r} refers to tensor {bad[0]}, but there are {n}")
 
 
 def _tensor_brief(t: Any) -> dict[str, Any]:
@@ -233,93 +216,16 @@ def dump_json(path: str) -> str:
 
 
 def validate_om(path: str) -> str:
-    """Check the file end to end; return the one-line "ok: ..." summary or raise NpucError."""
+    """Check the file end to end; return the one-line "ok: ..." summary or raise NpucError.
+    The checks are the ones every load runs (runtime/om_validate.py), with every checksum."""
     with _open(path, verify_weights=True) as (om, m):
         sections = om.section_info()
-        weights_len = _info(om, WEIGHTS).size
-        arena = max(p.plan.arena_bytes for p in m.programs)
-        _check_tensors(path, m, weights_len, arena)
-        for prog in m.programs:
-            for op in prog.ops:
-                try:
-                    get_op(op.op)
-                except InternalError:
-                    raise _bad(E_UNKNOWN_OP, f"{path}: op {op.name!r} is {op.op!r}, which this runtime does "
-                                             "not know") from None
-        n_buffers = sum(_check_plan(path, m, prog) for prog in m.programs)
+        tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
+        with om.section(WEIGHTS) as weights:
+            checked = validate_model(path, m, weights, tokenizer)
     plans = ", ".join(f"{p.name} arena {_b(p.plan.arena_bytes)}, lower bound {_b(p.plan.lower_bound_bytes)}"
                       for p in m.programs)
     return (f"ok: {path}: {len(sections)} sections (checksums match), {len(m.tensors)} tensors in bounds, "
-            f"{sum(len(p.ops) for p in m.programs)} ops, memory plan of {n_buffers} buffers valid "
-            f"({plans}), weights {_b(m.weights_bytes)}" + (f", state {_b(m.state_bytes)}" if m.state_bytes else ""))
-
-
-def _check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> None:
-    if m.weights_bytes != weights_len:
-        raise _bad(E_BOUNDS, f"{path}: the model definition says {m.weights_bytes} weight bytes, the "
-                             f"'{WEIGHTS}' section holds {weights_len}")
-    limits = {"arena": arena_bytes, "weights": weights_len, "state": m.state_bytes}
-    for t in m.tensors:
-        try:
-            dt = DType(t.dtype)
-        except ValueError:
-            raise _bad(E_PARSE, f"{path}: tensor {t.name!r} has unknown dtype {t.dtype!r}") from None
-        if t.region not in limits:
-            raise _bad(E_PARSE, f"{path}: tensor {t.name!r} is in unknown region {t.region!r}")
-        if any(d < 0 for d in t.shape) or math.prod(t.shape) * dt.itemsize != t.nbytes:
-            raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} is {t.dtype}{list(t.shape)} but says it has "
-                                 f"{t.nbytes} bytes")
-        if t.offset % dt.itemsize or t.offset + t.nbytes > limits[t.region]:
-            raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} (bytes {t.offset}..{t.offset + t.nbytes}) lies "
-                                 f"outside its {t.region} region of {limits[t.region]} bytes")
-        if t.HasField("base"):
-            b = m.tensors[t.base] if 0 <= t.base < len(m.tensors) else None
-            if b is None or b.HasField("base") or b.region != t.region or b.offset != t.offset or t.nbytes > b.nbytes:
-                raise _bad(E_BOUNDS, f"{path}: tensor {t.name!r} says it shares tensor {t.base}'s buffer, "
-                                     "which does not hold it")
-
-
-def _check_plan(path: str, m: Any, prog: Any) -> int:
-    """Re-validate one program's memory plan from the file; returns its buffer count."""
-    def bad(reason: str) -> NpucError:
-        return NpucError(E_PLAN, f"the memory plan in {path} is invalid: {reason}",
-                         "buffer ids are tensor indices (see `npuc dump --json`); " + _HINT, exit_code=EXIT_IO)
-
-    pm = prog.plan
-    if pm.alignment <= 0:
-        raise bad("its alignment is 0")
-    for b in pm.buffers:
-        if m.tensors[b.tensor].region != "arena":
-            raise bad(f"buffer {b.tensor} is tensor {m.tensors[b.tensor].name!r}, which is not in the arena")
-    # validate_plan also checks that arena_bytes is where the highest buffer ends
-    # and is not below the lower bound, which it recomputes from the lifetimes.
-    try:
-        buffers = [Buffer(b.tensor, max(m.tensors[b.tensor].nbytes, 1), b.first_step, b.last_step)
-                   for b in pm.buffers]
-        plan = Plan(offsets=tuple(sorted((b.id, m.tensors[b.id].offset) for b in buffers)),
-                    arena_bytes=pm.arena_bytes, lower_bound=pm.lower_bound_bytes, alignment=pm.alignment)
-        validate_plan(buffers, plan)
-    except InternalError as e:  # the planner's invariants, broken by the file rather than by npuc
-        raise bad(str(e)) from None
-
-    # Each arena tensor must be live whenever it is touched: inputs from step 0,
-    # op i (0-based) at step i+1, outputs until the copy-out after the last op.
-    live = {b.id: b for b in buffers}
-    last = len(prog.ops) + 1
-    uses = [(i, 0, "is a program input") for i in prog.inputs]
-    uses += [(i, last, "is a program output") for i in prog.outputs]
-    for step, op in enumerate(prog.ops, start=1):
-        uses += [(i, step, f"is used by op {op.name!r}") for i in [*op.inputs, *op.outputs]]
-        if op.HasField("workspace"):
-            uses.append((op.workspace, step, f"is the workspace of op {op.name!r}"))
-    for tid, step, why in uses:
-        t = m.tensors[tid]
-        if t.region != "arena":
-            continue
-        b = live.get(t.base if t.HasField("base") else tid)
-        if b is None:
-            raise bad(f"tensor {t.name!r} {why} but has no buffer")
-        if not b.start <= step <= b.end:
-            raise bad(f"tensor {t.name!r} {why} at step {step} but its buffer {tid} is live only over "
-                      f"steps {b.start}..{b.end}")
-    return len(buffers)
+            f"{sum(len(p.ops) for p in m.programs)} ops checked against their schemas, memory plan of "
+            f"{checked.buffers} buffers valid ({plans}), weights {_b(m.weights_bytes)}"
+            + (f", state {_b(m.state_bytes)}" if m.state_bytes else ""))

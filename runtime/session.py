@@ -30,18 +30,7 @@ from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
 from npuc.runtime import native
 from npuc.runtime.launch import Bound, Launchers
-
-
-def _attr(v: Any) -> Any:
-    which = [f.name for f, _ in v.ListFields()]
-    if not which or which[0] == "none":
-        return None
-    k = which[0]
-    if k == "dtype":
-        return DType(v.dtype)
-    if k in ("ints", "floats"):
-        return tuple(getattr(v, k).values)
-    return getattr(v, k)
+from npuc.runtime.om_validate import attr_value, validate_model
 
 
 @dataclass(frozen=True)
@@ -81,24 +70,17 @@ class Session:
         self.om = om
         self.model = model
         self.device = torch.device(device)
+        # Nothing below runs on an unchecked definition (runtime/om_validate.py).
+        tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
+        checked = validate_model(str(om.path), model, om.section("weights"), tokenizer)
         self.tensors = [
             TensorInfo(t.name, DType(t.dtype), tuple(t.shape), t.region, t.offset, t.nbytes) for t in model.tensors]
-        if not model.programs:
-            raise NpucError("NPUC-E0404", "the .om has no program", "the file is corrupt; recompile it",
-                            exit_code=EXIT_IO)
         self.programs: dict[str, Program] = {}
         for prog in model.programs:
-            try:
-                steps = [
-                    _Step(od, tuple(o.inputs), tuple(o.outputs),
-                          od.full_attrs({a.name: _attr(a.value) for a in o.attrs}),
-                          o.workspace if o.HasField("workspace") else None, o.name)
-                    for o in prog.ops for od in (get_op(o.op),)]
-            except AssertionError as e:
-                raise NpucError("NPUC-E0408", f"the .om uses an op this runtime does not know: {e}",
-                                "update npuc to the version that compiled the model", exit_code=EXIT_IO) from None
-            self._check_refs(steps, [*prog.inputs, *prog.outputs,
-                                     *(s.workspace for s in steps if s.workspace is not None)])
+            steps = [_Step(od, tuple(o.inputs), tuple(o.outputs),
+                           od.full_attrs({a.name: attr_value(a.value) for a in o.attrs}),
+                           o.workspace if o.HasField("workspace") else None, o.name)
+                     for o in prog.ops for od in (get_op(o.op),)]
             self.programs[prog.name] = Program(
                 prog.name, prog, [self.tensors[i] for i in prog.inputs], [self.tensors[i] for i in prog.outputs],
                 list(prog.inputs), list(prog.outputs), steps)
@@ -106,12 +88,11 @@ class Session:
         # The default program's surface (one-program models use nothing else).
         self.program = first.proto
         self.inputs, self.outputs = first.inputs, first.outputs
-        self.arena_bytes = max(p.plan.arena_bytes for p in model.programs)
-        self.state_bytes = int(model.state_bytes)
+        self.arena_bytes = checked.arena_bytes
+        self.state_bytes = checked.state_bytes
         self._cache_rows = min((t.shape[2] for t in self.tensors if t.region == "state" and len(t.shape) == 4),
                                default=0)
         self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
-        self._check_bounds()
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
         weights = om.section("weights")
@@ -146,21 +127,6 @@ class Session:
         om = OmFile.open(path)
         model = join_model(path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
         return cls(om, model, device, use_native, prepack)
-
-    def _check_refs(self, steps: list[_Step], refs: list[int]) -> None:
-        n = len(self.tensors)
-        if any(not 0 <= i < n for s in steps for i in s.inputs + s.outputs) or any(not 0 <= i < n for i in refs):
-            raise NpucError("NPUC-E0404", "an op refers to a tensor that does not exist",
-                            "the file is corrupt; recompile it", exit_code=EXIT_IO)
-
-    def _check_bounds(self) -> None:
-        limits = {"arena": self.arena_bytes, "weights": len(self.om.section("weights")), "state": self.state_bytes}
-        for t in self.tensors:
-            want = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
-            if t.region not in limits or t.offset + t.nbytes > limits[t.region] or want != t.nbytes \
-                    or t.offset % t.dtype.itemsize:
-                raise NpucError("NPUC-E0404", f"tensor {t.name!r} lies outside its {t.region} region",
-                                "the file is corrupt; recompile it", exit_code=EXIT_IO)
 
     def _view(self, t: TensorInfo) -> torch.Tensor:
         base = {"arena": self.arena, "weights": self._weights, "state": self.state}[t.region]
@@ -250,13 +216,23 @@ class Session:
             self.views[tid].copy_(x)
         views = self.views
         with torch.no_grad():
-            if on_step is None:
-                for launch in self._launch[p.name]:
-                    launch()
-            else:  # every step, views included, each with its callback
-                for launch, b, st in zip(self._per_step[p.name], self._bound[p.name], p.steps, strict=True):
-                    if launch is not None:
+            try:
+                if on_step is None:
+                    for launch in self._launch[p.name]:
                         launch()
-                    on_step(st.name, st.opdef.name, b.outs)
+                else:  # every step, views included, each with its callback
+                    for launch, b, st in zip(self._per_step[p.name], self._bound[p.name], p.steps, strict=True):
+                        if launch is not None:
+                            launch()
+                        on_step(st.name, st.opdef.name, b.outs)
+            except NpucError:
+                raise
+            except (RuntimeError, ValueError, IndexError, KeyError, TypeError, ArithmeticError, MemoryError) as e:
+                # A validated file whose computed values a kernel refuses (an index out of range);
+                # torch's kernels check what they read, so this is a refusal, not a crash.
+                raise NpucError("NPUC-E0412", f"program {p.name!r} failed in a kernel: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
+                                "the file may be damaged (recompile it); if it was just compiled, this is a bug "
+                                "in npuc: rerun with --debug and report it", exit_code=EXIT_IO) from e
         return {t.name: views[i].clone() if copy_outputs else views[i]
                 for i, t in zip(p.output_ids, p.outputs, strict=True)}

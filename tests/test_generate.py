@@ -135,7 +135,7 @@ def test_generation_stops_at_eos_and_at_a_full_cache(gen_models: dict[str, Path]
 
 
 @pytest.mark.parametrize("argv, code, msg", [
-    (["--prompt-ids", "1,x"], "NPUC-E0125", "not a list of token ids"),
+    (["--prompt-ids", "1,x"], "NPUC-E0125", "'x' is not an ASCII decimal token id"),
     (["--prompt-ids", "5,128"], "NPUC-E0125", "token id 128 is outside the model's vocabulary of 128"),
     ([], "NPUC-E0125", "exactly one of"),
     (["--prompt-ids", ",".join(["1"] * MAX_SEQ)], "NPUC-E0125", "caches 48"),

@@ -1,0 +1,1 @@
+"""Mutation fuzzers for npuc's readers (see each module's docstring)."""
