@@ -210,6 +210,10 @@ def check_ops(path: str, m: Any, prog: Any, dtypes: list[DType]) -> None:
             raise bad(E_INVALID, f"{path}: tensor {m.tensors[i].name!r} {why} in program {prog.name!r} but lies in "
                                  "the read-only weights")
 
+    for kind, ids in (("input", prog.inputs), ("output", prog.outputs)):
+        names = [m.tensors[i].name for i in ids]
+        if len(set(names)) != len(names):  # run() feeds and returns them by name
+            raise bad(E_INVALID, f"{path}: program {prog.name!r} has two {kind}s of one name: {names}")
     for i in prog.inputs:
         writable(i, "is an input")
         if m.tensors[i].region != "arena":
@@ -357,13 +361,12 @@ def check_metadata(path: str, meta: Mapping[str, str], programs: Collection[str]
 
 
 def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
-    """A prefill + decode pair (what `generate` runs) says how long a sequence its cache holds,
-    and the cache and the prefill agree with it."""
+    """A model that says it generates (a prefill + decode pair and max_seq_len, what
+    `generate` runs) has the programs `generate` feeds, and a cache and prefill that fit
+    max_seq_len. (Without max_seq_len the programs still run; `generate` refuses them.)"""
     progs = {p.name: p for p in m.programs}
-    if "prefill" not in progs or "decode" not in progs:
+    if "prefill" not in progs or "decode" not in progs or "max_seq_len" not in meta:
         return
-    if "max_seq_len" not in meta:
-        raise bad(E_META, f"{path}: the model has prefill and decode programs but no max_seq_len metadata")
     n = int(meta["max_seq_len"])
     rows = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4]
     if rows and n > min(rows):
@@ -376,7 +379,8 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
     for name in ("prefill", "decode"):
         if "logits" not in {m.tensors[i].name for i in progs[name].outputs}:
             raise bad(E_INVALID, f"{path}: the {name} program has no 'logits' output")
-    if len(decode) != 2 or ids[0].name not in {t.name for t in decode} or len(ids) != 1:
+    if len(decode) != 2 or ids[0].name not in {t.name for t in decode} or len({t.name for t in decode}) != 2 \
+            or len(ids) != 1:
         raise bad(E_INVALID, f"{path}: the decode program's inputs {[t.name for t in decode]} are not the "
                              f"prefill's {ids[0].name!r} and a position")
     # Every token the logits can choose must be one the embedding takes back in.

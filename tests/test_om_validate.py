@@ -163,7 +163,6 @@ CASES: list[tuple[str, Edit, str, str]] = [
     ("max_seq_len_arabic_digits", _meta("max_seq_len", "\u0661\u0662"), "NPUC-E0411", "max_seq_len"),
     ("eos_not_ids", _meta("eos_token_id", "2,x"), "NPUC-E0411", "eos_token_id"),
     ("programs_unknown", _meta("programs", "prefill,decode,evil"), "NPUC-E0411", "programs"),
-    ("max_seq_len_missing", _no_max_seq_len, "NPUC-E0411", "no max_seq_len"),
     ("max_seq_len_past_the_cache", _meta("max_seq_len", "1000"), "NPUC-E0411", "longer than the KV cache"),
     ("max_seq_len_below_the_prefill", _meta("max_seq_len", "4"), "NPUC-E0411", "does not fit max_seq_len"),
 ]
@@ -193,6 +192,16 @@ def test_a_malformed_tokenizer_section_is_refused(gen_om: Path, tmp_path: Path, 
         with pytest.raises(NpucError) as e:
             check(str(bad))
         assert e.value.code == "NPUC-E0411" and says in str(e.value)
+
+
+def test_without_max_seq_len_the_programs_run_and_generate_refuses(gen_om: Path, tmp_path: Path) -> None:
+    from npuc.runtime.generate import generate
+
+    other = rewrite(gen_om, tmp_path / "other.om", _no_max_seq_len)
+    assert validate_om(str(other)).startswith("ok: ")
+    with pytest.raises(NpucError) as e:
+        generate(Session.load(str(other)), [1, 2], 2)
+    assert e.value.code == "NPUC-E0111"
 
 
 def test_the_memory_cap(gen_om: Path, monkeypatch: pytest.MonkeyPatch) -> None:

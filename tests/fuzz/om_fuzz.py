@@ -479,7 +479,8 @@ def execute(path: str) -> dict[str, Any]:
         ran = True
         for name, prog in sess.programs.items():
             ran &= guard(f"run[{name}]", lambda p=prog, n=name: sess.run(_feeds(sess, p), n))[0]
-        if {"prefill", "decode"} <= set(sess.programs):
+        meta = {e.key for e in sess.model.metadata}
+        if {"prefill", "decode"} <= set(sess.programs) and "max_seq_len" in meta:  # else generate refuses (E0111)
             ran &= guard("generation_info", lambda: generation_info(sess))[0]
             ran &= guard("generate", lambda: generate(sess, [1], 2, ignore_eos=True))[0]
         res["run"] = ran
