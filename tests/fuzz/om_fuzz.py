@@ -9,8 +9,8 @@ re-sealed), a protobuf field edit of modeldef / plan / tasks / metadata, a token
 weights edit; every structured edit re-seals the section SHA-256s and the table's as
 `OmWriter` does, so mutants get past the checksum gate and reach the validator.
 
-Each mutant runs in a worker process (RLIMIT_AS 2 GiB, 10 s per execution; a worker
-that dies is replaced) through `validate_om`, `model_info`, `Session.load`, one run of
+Each mutant is made and run in a worker process (tests/fuzz/pool.py; RLIMIT_AS 2 GiB,
+10 s per execution; a worker that dies is replaced) through `validate_om`, `model_info`, `Session.load`, one run of
 each program, and `generation_info` + a 2-token greedy generate. Outcomes:
 
     ok        every call succeeded or raised NpucError, and validate and load agree
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing as mp
 import os
 import random
 import struct
@@ -44,6 +43,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from tests.fuzz.pool import Died, Pool
 
 CORPUS = Path(__file__).parent / "corpus" / "om"
 MEMORY_CAP = 2 << 30
@@ -487,7 +488,9 @@ def execute(path: str) -> dict[str, Any]:
     return res
 
 
-def _worker(conn: Connection) -> None:
+def _worker(conn: Connection, seed_paths: list[str], tmp: str) -> None:
+    """Answers ("mutant", seed, i): makes mutant i of `seed` here (the driver only counts)
+    and runs it from a file in `tmp`; ("path", p): runs the file p."""
     import resource
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -498,11 +501,16 @@ def _worker(conn: Connection) -> None:
     import npuc.runtime.generate  # noqa: F401  (import once, before the first execution)
     import npuc.runtime.om_tools  # noqa: F401
 
+    seeds = [Path(p).read_bytes() for p in seed_paths]
+    mine = os.path.join(tmp, f"w{os.getpid()}.om")
     conn.send("ready")
-    while True:
-        path = conn.recv()
-        if path is None:
-            return
+    while (job := conn.recv()) is not None:
+        if job[0] == "mutant":
+            _, data = mutant(seeds, job[1], job[2])
+            Path(mine).write_bytes(data)
+            path = mine
+        else:
+            path = job[1]
         try:
             out = execute(path)
         except MemoryError:
@@ -518,7 +526,9 @@ class Outcome:
     signature: str
 
 
-def classify(res: dict[str, Any]) -> Outcome:
+def classify(res: dict[str, Any] | Died) -> Outcome:
+    if isinstance(res, Died):
+        return Outcome(res.cls, res.detail)
     if res.get("memory"):
         return Outcome("memory", "MemoryError")
     if res["exc"]:
@@ -531,49 +541,6 @@ def classify(res: dict[str, Any]) -> Outcome:
     if res["load"] and not res["validate"]:
         return Outcome("disagree", "load ok, validate refused: " + ",".join(res["npuc"]))
     return Outcome("npuc" if res["npuc"] else "ok", ",".join(res["npuc"]))
-
-
-class Worker:
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-        self.start()
-
-    def start(self) -> None:
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
-            raise RuntimeError("fuzz worker did not start")
-
-    def run(self, path: str, timeout: float) -> Outcome:
-        try:
-            self.conn.send(path)
-            if self.conn.poll(timeout):
-                return classify(self.conn.recv())
-            self.proc.kill()
-            self.proc.join()
-            self.start()
-            return Outcome("hang", f"over {timeout:.0f} s")
-        except (EOFError, OSError, BrokenPipeError):
-            self.proc.join()
-            code = self.proc.exitcode
-            self.start()
-            if code is not None and code < 0:
-                import signal
-
-                sig = signal.Signals(-code).name
-                return Outcome("memory" if sig == "SIGKILL" else "crash", sig)
-            return Outcome("crash", f"exit {code}")
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @dataclass
@@ -612,60 +579,41 @@ def fuzz(execs: int, seed: int = 0, jobs: int = 1, save_corpus: bool = False, ti
          log: Callable[[str], None] | None = None, start_at: int = 0) -> Summary:
     """Mutants start_at .. start_at + execs - 1 of `seed` (each is a function of (seed, i) alone,
     so a long run splits into shards that together are the one run)."""
-    seeds = [p.read_bytes() for p in seed_files()]
-    ctx = mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-    workers = [Worker(ctx) for _ in range(max(jobs, 1))]
+    paths = [str(p) for p in seed_files()]
     summary = Summary()
     start = time.monotonic()
     seen_sigs: set[tuple[str, str]] = set()
-    with tempfile.TemporaryDirectory(prefix="npuc-om-fuzz-") as tmp:
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(i: int, w: Worker) -> tuple[int, Outcome, bytes]:
-            _, data = mutant(seeds, seed, i)
-            path = os.path.join(tmp, f"m{i}.om")
-            Path(path).write_bytes(data)
-            try:
-                return i, w.run(path, timeout), data
-            finally:
-                os.unlink(path)
-
-        with ThreadPoolExecutor(len(workers)) as pool:
-            end = start_at + execs
-            for base in range(start_at, end, len(workers)):
-                ids = range(base, min(base + len(workers), end))
-                batch = [pool.submit(one, i, w) for i, w in zip(ids, workers[:len(ids)], strict=True)]
-                for f in batch:
-                    i, out, data = f.result()
-                    summary.execs += 1
-                    summary.classes[out.cls] += 1
-                    if log and summary.execs % 10000 == 0:
-                        log(f"[{summary.execs} executions, {time.monotonic() - start:.0f} s] "
-                            + ", ".join(f"{k} {v}" for k, v in sorted(summary.classes.items())))
-                    key = (out.cls, _normalise(out.signature))
-                    summary.signatures[key] += 1
-                    if out.cls in FAILURES:
-                        if log and key not in seen_sigs:
-                            log(f"[{i}] {out.cls}: {out.signature}")
-                        if save_corpus and key not in seen_sigs:
-                            CORPUS.mkdir(parents=True, exist_ok=True)
-                            name = CORPUS / f"{out.cls}-{hashlib.sha256(data).hexdigest()[:16]}.om"
-                            name.write_bytes(data)
-                            summary.saved.append(name.name)
-                        seen_sigs.add(key)
-    for w in workers:
-        w.close()
+    with tempfile.TemporaryDirectory(prefix="npuc-om-fuzz-") as tmp, \
+            Pool[tuple[str, int, int]](_worker, jobs, timeout, lambda k: (paths, tmp)) as pool:
+        jobs_ = (("mutant", seed, i) for i in range(start_at, start_at + execs))
+        for (_, _, i), answer in pool.run(jobs_):
+            out = classify(answer)
+            summary.execs += 1
+            summary.classes[out.cls] += 1
+            if log and summary.execs % 10000 == 0:
+                log(f"[{summary.execs} executions, {time.monotonic() - start:.0f} s] "
+                    + ", ".join(f"{k} {v}" for k, v in sorted(summary.classes.items())))
+            key = (out.cls, _normalise(out.signature))
+            summary.signatures[key] += 1
+            if out.cls in FAILURES:
+                if log and key not in seen_sigs:
+                    log(f"[{i}] {out.cls}: {out.signature}")
+                if save_corpus and key not in seen_sigs:
+                    _, data = mutant([Path(p).read_bytes() for p in paths], seed, i)
+                    CORPUS.mkdir(parents=True, exist_ok=True)
+                    name = CORPUS / f"{out.cls}-{hashlib.sha256(data).hexdigest()[:16]}.om"
+                    name.write_bytes(data)
+                    summary.saved.append(name.name)
+                seen_sigs.add(key)
     summary.seconds = time.monotonic() - start
     return summary
 
 
 def replay(paths: list[str], timeout: float = TIMEOUT_S) -> dict[str, Outcome]:
     """Each file through the same checks, in a worker (tests/test_fuzz_om.py replays the corpus)."""
-    w = Worker(mp.get_context("forkserver" if sys.platform.startswith("linux") else "spawn"))
-    try:
-        return {p: w.run(p, timeout) for p in paths}
-    finally:
-        w.close()
+    with tempfile.TemporaryDirectory(prefix="npuc-om-replay-") as tmp, \
+            Pool[tuple[str, str]](_worker, 1, timeout, lambda k: ([], tmp)) as pool:
+        return {job[1]: classify(answer) for job, answer in pool.run(("path", p) for p in paths)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ shape-arithmetic model, a MatMul chain over external data), applies one to three
 protobuf mutations (dims, element types, attributes, node inputs and outputs, nodes
 dropped, duplicated or reordered, initializers dropped, raw data truncated, op types,
 domains, opsets, external data entries pointing at files of the model's folder, byte
-flips) and compiles it with `compile_model` in a worker process. Each is classed:
+flips) and compiles it with `compile_model` in a worker process (tests/fuzz/pool.py). Each is classed:
 
 - ok: it compiled; npuc: an NpucError (a refusal, as hostile input should get);
 - bug: any other exception, or an NpucError that left an output file behind;
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing as mp
 import os
 import random
 import resource
@@ -41,6 +40,8 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from tests.fuzz.pool import Died, Pool
 
 CORPUS = Path(__file__).parent / "corpus" / "onnx"
 TIMEOUT_S = 10.0
@@ -385,6 +386,7 @@ def _compile(folder: Path, data: bytes, input_shape: str) -> tuple[str, str]:
 
 
 def _worker(conn: Connection, folder: str) -> None:
+    """Answers (seed, i): makes mutant i of `seed` here and compiles it in `folder`."""
     import logging
     import warnings
 
@@ -398,63 +400,9 @@ def _worker(conn: Connection, folder: str) -> None:
     root = Path(folder)
     make_folder(root)
     conn.send("ready")
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        conn.send(_compile(root, *job))
-
-
-class Worker:
-    """A child process that compiles mutants; replaced when it dies or hangs."""
-
-    def __init__(self, ctx: Any, tmp: str, k: int) -> None:
-        self.ctx, self.folder = ctx, os.path.join(tmp, f"w{k}")
-        self.job: tuple[int, str, bytes] | None = None
-        self.started = 0.0
-        self._spawn()
-
-    def _spawn(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-        os.makedirs(self.folder)
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.folder), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
-            raise RuntimeError("a fuzz worker did not start")
-
-    def submit(self, i: int, name: str, data: bytes) -> None:
-        self.job, self.started = (i, name, data), time.monotonic()
-        self.conn.send((data, SEEDS[name][1]))
-
-    def result(self) -> tuple[str, str] | None:
-        """(class, detail) once the job is done, dead or hung; None while it runs."""
-        try:
-            if self.conn.poll():
-                return self.conn.recv()
-        except (EOFError, OSError):
-            pass
-        if not self.proc.is_alive():
-            self.proc.join()
-            code = self.proc.exitcode
-            self._spawn()
-            return "crash", f"exit code {code}"
-        if time.monotonic() - self.started > TIMEOUT_S:
-            self.proc.kill()
-            self.proc.join()
-            self._spawn()
-            return "hang", f"no answer in {TIMEOUT_S:.0f} s"
-        return None
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
+    while (job := conn.recv()) is not None:
+        name, data = mutant(*job)
+        conn.send(_compile(root, data, SEEDS[name][1]))
 
 
 def save(name: str, cls: str, data: bytes, corpus: Path = CORPUS) -> Path:
@@ -467,37 +415,22 @@ def save(name: str, cls: str, data: bytes, corpus: Path = CORPUS) -> Path:
 def run(execs: int, seed: int, jobs: int, first: int = 0, corpus: Path | None = CORPUS,
         log: Callable[[str], None] = lambda s: print(s, flush=True)) -> Counter[str]:
     """Compile mutants first..first+execs of `seed` on `jobs` workers; counts by class."""
-    ctx = mp.get_context("forkserver")
     counts: Counter[str] = Counter()
-    with tempfile.TemporaryDirectory(prefix="npuc-onnx-fuzz-") as tmp:
-        workers = [Worker(ctx, tmp, k) for k in range(jobs)]
-        todo, done, t0 = iter(range(first, first + execs)), 0, time.monotonic()
-        idle = list(workers)
-        try:
-            while done < execs:
-                while idle:
-                    i = next(todo, None)
-                    if i is None:
-                        break
-                    idle.pop().submit(i, *mutant(seed, i))
-                for w in workers:
-                    if w.job is None or (res := w.result()) is None:
-                        continue
-                    (i, name, data), (cls, detail) = w.job, res
-                    w.job = None
-                    idle.append(w)
-                    done += 1
-                    counts[cls] += 1
-                    if done % 5000 == 0:
-                        log(f"... {done} executions, {done / (time.monotonic() - t0):.1f} execs/s, {dict(counts)}")
-                    if cls in FAILURES:
-                        where = save(name, cls, data, corpus) if corpus is not None else None
-                        log(f"exec {i}: {cls}: {detail}" + (f" -> {where}" if where else ""))
-                time.sleep(0.0005)
-        finally:
-            for w in workers:
-                w.close()
-        rate = done / max(time.monotonic() - t0, 1e-9)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="npuc-onnx-fuzz-") as tmp, \
+            Pool[tuple[int, int]](_worker, jobs, TIMEOUT_S, lambda k: (os.path.join(tmp, f"w{k}"),)) as pool:
+        for (_, i), answer in pool.run((seed, i) for i in range(first, first + execs)):
+            cls, detail = (answer.cls, answer.detail) if isinstance(answer, Died) else answer
+            counts[cls] += 1
+            done = sum(counts.values())
+            if done % 5000 == 0:
+                log(f"... {done} executions, {done / (time.monotonic() - t0):.1f} execs/s, {dict(counts)}")
+            if cls in FAILURES:
+                name, data = mutant(seed, i)
+                where = save(name, cls, data, corpus) if corpus is not None else None
+                log(f"exec {i}: {cls}: {detail}" + (f" -> {where}" if where else ""))
+    done = sum(counts.values())
+    rate = done / max(time.monotonic() - t0, 1e-9)
     log(f"executions: {done}  " + "  ".join(f"{c}: {counts[c]}" for c in ("ok", "npuc", *FAILURES))
         + f"  rate: {rate:.1f} execs/s")
     return counts
