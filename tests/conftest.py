@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from hf_models import ARCHS, save_checkpoint  # noqa: E402
+from hf_models import ARCHS, moe_config, save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +52,15 @@ def onnx_exports(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempP
             prog.save(str(path))
             out[(arch, opset)] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V3 with routed experts (hf_models.moe_config), saved once per session."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("moe") / "deepseek_v3_moe"
+    tf.AutoModelForCausalLM.from_config(moe_config()).save_pretrained(str(path))
+    return path

@@ -76,3 +76,14 @@ def prefill_vs_hf(sess: Any, model: Any, program: str | None = None, seed: int =
         assert got.shape == ref[:, row:row + 1].shape, (got.shape, ref.shape)
         err = max(err, float((got - ref[:, row:row + 1]).abs().max()))
     return err
+
+
+def moe_config(**overrides: Any) -> Any:
+    import transformers as tf
+
+    return tf.DeepseekV3Config(**{**dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=64), **overrides})

@@ -19,52 +19,31 @@ from npuc.runtime import Session
 from npuc.runtime.generate import generate
 
 
-def moe_config(**overrides: Any) -> Any:
-    import transformers as tf
-
-    return tf.DeepseekV3Config(**{**dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        max_position_embeddings=64), **overrides})
-
-
 @pytest.fixture(scope="module")
-def moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf_moe(moe_checkpoint: Path) -> Any:
     import transformers as tf
 
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("moe") / "deepseek_v3_moe"
-    tf.AutoModelForCausalLM.from_config(moe_config()).save_pretrained(str(path))
-    return path
+    return tf.AutoModelForCausalLM.from_pretrained(str(moe_checkpoint)).eval()  # its default (looping) experts
 
 
-@pytest.fixture(scope="module")
-def hf_moe(moe_ckpt: Path) -> Any:
-    import transformers as tf
-
-    return tf.AutoModelForCausalLM.from_pretrained(str(moe_ckpt)).eval()  # its default (looping) experts
-
-
-def test_expert_weights_come_from_per_expert_tensors(moe_ckpt: Path) -> None:
-    loaded = load_source(str(moe_ckpt))
+def test_expert_weights_come_from_per_expert_tensors(moe_checkpoint: Path) -> None:
+    loaded = load_source(str(moe_checkpoint))
     stacked = {k: v for k, v in loaded.sources.items() if isinstance(v, StackedExpertsSource)}
     assert sorted(stacked) == ["model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
     gate_up = stacked["model.layers.1.mlp.experts.gate_up_proj"].load()
     assert tuple(gate_up.shape) == (8, 64, 64)  # [experts, 2 x moe_intermediate, hidden]
 
 
-def test_moe_prefill_matches_hf(moe_ckpt: Path, hf_moe: Any, tmp_path: Path) -> None:
-    om = compile_model(str(moe_ckpt), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
+def test_moe_prefill_matches_hf(moe_checkpoint: Path, hf_moe: Any, tmp_path: Path) -> None:
+    om = compile_model(str(moe_checkpoint), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
     sess = Session.load(om)
     assert prefill_vs_hf(sess, hf_moe) < 1e-4
     ops = {st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps}
     assert "fused_moe" in ops and not {"topk", "gather_elements", "scatter_elements", "index"} & ops  # fused
 
 
-def test_moe_generation_matches_hf(moe_ckpt: Path, hf_moe: Any, tmp_path: Path) -> None:
-    om = compile_model(str(moe_ckpt), input_shape="input_ids:1,8", output=str(tmp_path / "g"), max_seq_len=48)
+def test_moe_generation_matches_hf(moe_checkpoint: Path, hf_moe: Any, tmp_path: Path) -> None:
+    om = compile_model(str(moe_checkpoint), input_shape="input_ids:1,8", output=str(tmp_path / "g"), max_seq_len=48)
     prompt = [5, 17, 3, 99, 42, 7]
     assert generate(Session.load(om), prompt, 32, ignore_eos=True) == hf_greedy(hf_moe, prompt, 32)
 

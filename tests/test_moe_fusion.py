@@ -291,7 +291,7 @@ def test_moe_fusion_leaves_a_dense_graph_alone() -> None:
 # =========================================================================================
 
 def v3_config() -> Any:
-    from test_moe import moe_config
+    from hf_models import moe_config
 
     return moe_config(num_hidden_layers=3)  # two MoE layers
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hf_models import moe_config
 from onnx_build import export_causal_lm, register_complex_unsqueeze
 from test_deepseek_v2 import v2_config
-from test_moe import moe_config
 
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError

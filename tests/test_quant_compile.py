@@ -47,17 +47,6 @@ def hf_models(hf_checkpoints: dict[str, Path], moe_checkpoint: Path) -> dict[str
     return {arch: tf.AutoModelForCausalLM.from_pretrained(str(p)).eval() for arch, p in paths.items()}
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers as tf
-    from test_moe import moe_config
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qmoe") / "deepseek_v3_moe"
-    tf.AutoModelForCausalLM.from_config(moe_config()).save_pretrained(str(path))
-    return path
-
-
 @pytest.mark.parametrize("quant, bits", QUANTS)
 @pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3_moe"])
 def test_quantized_hf_folder_matches_hf_over_rounded_weights(arch: str, quant: str, bits: int,
