@@ -486,6 +486,22 @@ static void gemm_tile(i64 kc, const float *a, const float *b, float *c, i64 cs, 
         av = _mm256_broadcast_ss(a + 4); c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
         av = _mm256_broadcast_ss(a + 5); c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
     }
+    if (mr == GEMM_MR && nr == GEMM_NR) { /* a whole tile: straight from the registers (same sums) */
+#define GEMM_OUT(r, v0, v1)                                                                                   \
+    {                                                                                                         \
+        float *cr = c + (r) * cs;                                                                             \
+        if (!first) {                                                                                         \
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr)); v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr + 8));    \
+        } else if (bias) {                                                                                    \
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(bias)); v1 = _mm256_add_ps(v1, _mm256_loadu_ps(bias + 8)); \
+        }                                                                                                     \
+        _mm256_storeu_ps(cr, v0); _mm256_storeu_ps(cr + 8, v1);                                              \
+    }
+        GEMM_OUT(0, c00, c01) GEMM_OUT(1, c10, c11) GEMM_OUT(2, c20, c21)
+        GEMM_OUT(3, c30, c31) GEMM_OUT(4, c40, c41) GEMM_OUT(5, c50, c51)
+#undef GEMM_OUT
+        return;
+    }
     _mm256_storeu_ps(tile + 0, c00); _mm256_storeu_ps(tile + 8, c01);
     _mm256_storeu_ps(tile + 16, c10); _mm256_storeu_ps(tile + 24, c11);
     _mm256_storeu_ps(tile + 32, c20); _mm256_storeu_ps(tile + 40, c21);
