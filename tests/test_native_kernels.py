@@ -195,6 +195,21 @@ def test_qlinear(lib: Any, bits: int, group: int | None, symmetric: bool, rows: 
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("k, group", [(200, None), (200, 40), (24, None)])
+def test_qlinear_int8_k_past_the_vector_width(lib: Any, k: int, group: int | None) -> None:
+    """int8 codes whose groups end inside a 16-wide step: the scalar tail of each group."""
+    from npuc.ir.quant import quantize_rtn
+
+    g = torch.Generator().manual_seed(k)
+    q, scale, zero = quantize_rtn(torch.randn(36, k, generator=g), 8, group or k, True)
+    ins = [torch.randn(1, 1, k, generator=g), q, scale, zero]
+    attrs = {"bits": 8, "group_size": group or k}
+    want = _ref("qlinear", ins, attrs)
+    kind, (got,) = _launch(lib, "qlinear", ins, attrs, [want])
+    assert kind == "native"
+    _close(got, want, torch.float32)
+
+
 def test_qlinear_valid_rows(lib: Any) -> None:
     from npuc.ir.quant import quantize_rtn
 

@@ -621,22 +621,11 @@ static inline __m256 load8_i8(const int8_t *p) {
 }
 #endif
 
-/* Sums of four int8 code rows (w, w+K, ...) against x over [k0, k1). */
+/* Sums of four int8 code rows (w, w+K, ...) against x over [k0, k1): the plain-C path
+ * (an AVX2 build takes qdot4_i8 below). */
 static void dot4_i8(const float *x, const int8_t *w, i64 K, i64 k0, i64 k1, float *out) {
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    i64 k = k0;
-#ifdef NPUC_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; k + 8 <= k1; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(load8_i8(w + k), xv, a0);
-        a1 = _mm256_fmadd_ps(load8_i8(w + K + k), xv, a1);
-        a2 = _mm256_fmadd_ps(load8_i8(w + 2 * K + k), xv, a2);
-        a3 = _mm256_fmadd_ps(load8_i8(w + 3 * K + k), xv, a3);
-    }
-    s0 = hsum(a0); s1 = hsum(a1); s2 = hsum(a2); s3 = hsum(a3);
-#endif
-    for (; k < k1; k++) {
+    for (i64 k = k0; k < k1; k++) {
         float xv = x[k];
         s0 += w[k] * xv; s1 += w[K + k] * xv; s2 += w[2 * K + k] * xv; s3 += w[3 * K + k] * xv;
     }
@@ -645,32 +634,83 @@ static void dot4_i8(const float *x, const int8_t *w, i64 K, i64 k0, i64 k1, floa
 
 /* The same for 4-bit rows (K/2 bytes apart) over [k0, k1), both multiples of 16: x is
  * deinterleaved per 16 (xd, see deinterleave16), so low nibbles meet the even x and high
- * nibbles the odd ones. */
+ * nibbles the odd ones (an AVX2 build takes qdot4_u4 below). */
 static void dot4_u4(const float *xd, const uint8_t *w, i64 K, i64 k0, i64 k1, float *out) {
     const i64 rb = K / 2;
     float s[4] = {0, 0, 0, 0};
-#ifdef NPUC_AVX2
-    const __m256i lo4 = _mm256_set1_epi32(15);
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (i64 k = k0; k < k1; k += 16) {
-        __m256 xe = _mm256_loadu_ps(xd + k), xo = _mm256_loadu_ps(xd + k + 8);
-        for (int r = 0; r < 4; r++) {
-            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * rb + k / 2)));
-            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo4)), xe, a[r]);
-            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), xo, a[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) s[r] = hsum(a[r]);
-#else
     for (i64 k = k0; k < k1; k += 16)
         for (int j = 0; j < 8; j++)
             for (int r = 0; r < 4; r++) {
                 uint8_t b = w[r * rb + k / 2 + j];
                 s[r] += (float)(b & 15) * xd[k + j] + (float)(b >> 4) * xd[k + 8 + j];
             }
-#endif
     for (int r = 0; r < 4; r++) out[r] = s[r];
 }
+
+#ifdef NPUC_AVX2
+/* Four code rows n..n+3 against one x row over all of K, groups applied in the vector
+ * domain: t += scale[g] * (the group's partial sums), and the zero points' part,
+ * scale * zero * xsum, summed apart and taken off once; one horizontal sum per row, not
+ * one per group. Even and odd accumulators keep the FMA chains short. */
+static void qdot4_u4(const float *xd, const uint8_t *w, i64 K, i64 G, const float *scale, const float *zero,
+                     const float *xsum, float *out) {
+    const i64 rb = K / 2, groups = K / G, pf = prefetch_rows(rb, 1) * rb;
+    const __m256i lo4 = _mm256_set1_epi32(15);
+    __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr[4] = {0, 0, 0, 0};
+    for (i64 g = 0; g < groups; g++) {
+        __m256 a[4], b[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+        for (i64 k = g * G; k < (g + 1) * G; k += 16) {
+            __m256 xe = _mm256_loadu_ps(xd + k), xo = _mm256_loadu_ps(xd + k + 8);
+            if ((k & 127) == 0)
+                for (int r = 0; r < 4; r++) PREFETCH(w + r * rb + k / 2 + pf);
+            for (int r = 0; r < 4; r++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * rb + k / 2)));
+                a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, lo4)), xe, a[r]);
+                b[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), xo, b[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            float sc = scale[r * groups + g];
+            t[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_add_ps(a[r], b[r]), t[r]);
+            corr[r] += sc * zero[r * groups + g] * xsum[g];
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum(t[r]) - corr[r];
+}
+
+static void qdot4_i8(const float *x, const int8_t *w, i64 K, i64 G, const float *scale, const float *zero,
+                     const float *xsum, float *out) {
+    const i64 groups = K / G, pf = prefetch_rows(K, 1) * K;
+    __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr[4] = {0, 0, 0, 0}, tail[4] = {0, 0, 0, 0};
+    for (i64 g = 0; g < groups; g++) {
+        __m256 a[4], b[4];
+        for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
+        i64 k = g * G, end = (g + 1) * G;
+        for (; k + 16 <= end; k += 16) {
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            if ((k & 63) == 0)
+                for (int r = 0; r < 4; r++) PREFETCH(w + r * K + k + pf);
+            for (int r = 0; r < 4; r++) {
+                a[r] = _mm256_fmadd_ps(load8_i8(w + r * K + k), x0, a[r]);
+                b[r] = _mm256_fmadd_ps(load8_i8(w + r * K + k + 8), x1, b[r]);
+            }
+        }
+        float rest[4] = {0, 0, 0, 0};
+        for (; k < end; k++)
+            for (int r = 0; r < 4; r++) rest[r] += w[r * K + k] * x[k];
+        for (int r = 0; r < 4; r++) {
+            float sc = scale[r * groups + g];
+            t[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_add_ps(a[r], b[r]), t[r]);
+            tail[r] += sc * rest[r];
+            corr[r] += sc * zero[r * groups + g] * xsum[g];
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum(t[r]) + tail[r] - corr[r];
+}
+#endif
 
 typedef struct {
     const float *xf, *xd, *xsum; i64 M, K, N, G; const uint8_t *q; int bits; const float *scale, *zero, *bias;
@@ -686,6 +726,19 @@ static void qlinear_chunk(const void *p, i64 c, int tid) {
         i64 rows = hi - n < 4 ? hi - n : 4;
         for (i64 m = 0; m < j->M; m++) {
             float acc[4] = {0, 0, 0, 0};
+#ifdef NPUC_AVX2
+            if (rows == 4) {
+                if (j->bits == 8)
+                    qdot4_i8(j->xf + m * K, (const int8_t *)j->q + n * K, K, G, j->scale + n * groups,
+                             j->zero + n * groups, j->xsum + m * groups, acc);
+                else
+                    qdot4_u4(j->xd + m * K, j->q + n * (K / 2), K, G, j->scale + n * groups, j->zero + n * groups,
+                             j->xsum + m * groups, acc);
+                for (i64 r = 0; r < 4; r++)
+                    store_any(j->y, j->ybf, m * j->ys + n + r, acc[r] + (j->bias ? j->bias[n + r] : 0.0f));
+                continue;
+            }
+#endif
             for (i64 g = 0; g < groups; g++) {
                 float d[4];
                 if (rows == 4 && j->bits == 8)
