@@ -195,6 +195,29 @@ def test_qlinear(lib: Any, bits: int, group: int | None, symmetric: bool, rows: 
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("bits, group", [(4, 128), (4, 64), (8, None), (8, 32), (8, 2048 + 64)])
+def test_qlinear_bf16_activations_against_an_exact_product(lib: Any, bits: int, group: int | None) -> None:
+    """bf16 x, f32 y: the error against an exact product of the same bf16 x stays under
+    1e-4 of the output's size (small values beside large ones in a group, and a group
+    longer than 2048, included)."""
+    from npuc.ir.quant import dequantize_ref, quantize_rtn
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 36, 2 * (2048 + 64)
+    q, scale, zero = quantize_rtn(torch.randn(n, k, generator=g), bits, group or k, bits == 8)
+    x = torch.randn(1, 1, k, generator=g)
+    x[..., :40] *= 1e-3
+    x = x.to(torch.bfloat16)
+    G = group or k
+    want = x.double() @ dequantize_ref(q, scale, zero, bits, G).double().T
+    got = torch.full((1, 1, n), float("nan"))  # f32, so that no output rounding hides the error
+    ws = torch.empty(int(lib.npuc_qlinear_scratch_floats(1, k, G)))
+    sf, zf = scale.float().contiguous(), zero.float().contiguous()
+    assert lib.npuc_qlinear(x.data_ptr(), 1, 1, k, q.data_ptr(), bits, sf.data_ptr(), zf.data_ptr(), n, k, G, None,
+                            got.data_ptr(), 0, n, ws.data_ptr(), 2) == 0
+    assert (got.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("k, group", [(200, None), (200, 40), (24, None)])
 def test_qlinear_int8_k_past_the_vector_width(lib: Any, k: int, group: int | None) -> None:
     """int8 codes whose groups end inside a 16-wide step: the scalar tail of each group."""
