@@ -8,7 +8,8 @@ Decode and prefill: a Llama-shaped model built from a config (random weights,
 nothing downloaded), run by `npuc` (the .om's prefill + decode programs), by HF
 transformers (eager, a static cache), and by onnxruntime (an ONNX export with
 explicit KV-cache inputs and outputs, bench/ort_llama.py), all with the same
-thread count, all greedy, and checked to produce the same tokens. Memory plans:
+thread count, all greedy, and checked to produce the same tokens; npuc's and
+onnxruntime's prefill are also timed in turn (bench/prefill_ab.py). Memory plans:
 every program of every test architecture, with ExecuTorch's planner on the same
 torch.export program where an ExecuTorch environment is given. Compile at scale:
 bench/compile_scale.py. Pass scaling: the optimiser alone at 8, 16, 32 layers.
@@ -180,7 +181,7 @@ def run_ort(ckpt: Path, s: Sizes, work: Path, threads: int) -> dict[str, Any]:
     pre, dec = export_llama_kv(model, str(work / "ort"), s.prompt, s.max_len)
     del model
     tokens, steps, prefill = OrtLlama(pre, dec, threads).measure(prompt_ids(s), s.new, s.reps)
-    return decode_stats("onnxruntime (KV-cache export)", list(tokens), list(steps), prefill)
+    return decode_stats("onnxruntime (KV-cache export)", list(tokens), list(steps), prefill) | {"models": [pre, dec]}
 
 
 def read_bandwidth_gbps(nbytes: int) -> float:
@@ -389,6 +390,14 @@ def share_of_bound(res: dict[str, Any], d: dict[str, Any]) -> float:
     return d["tok_per_s"] * d.get("read_bytes", res["read_bytes"]) / (res["bandwidth_gbps"] * 1e9)
 
 
+def prefill_ratio(res: dict[str, Any]) -> float:
+    """npuc (cpu target) / onnxruntime prefill: timed in turn where measured, else the phases' medians."""
+    if res.get("prefill_turns"):
+        return float(res["prefill_turns"]["ratio"])
+    d = systems(res)
+    return float(d["cpu"]["prefill_ms"] / d["ort"]["prefill_ms"])
+
+
 def systems(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The decode rows by role: cpu, npu, bf16 (npuc's), hf, ort."""
     d = res["decode"]
@@ -452,8 +461,8 @@ def render(res: dict[str, Any]) -> str:
             bf16["tok_per_s"] >= 2.5 * hf_d["tok_per_s"]),
         row(f"bf16 greedy tokens agree with the fp32 .om ({len(cpu['tokens'])} tokens)",
             "all agree" if diverge is None else f"first differs at token {diverge}", diverge is None),
-        row("prefill <= 0.8x onnxruntime's time", f"{cpu['prefill_ms'] / ort_d['prefill_ms']:.2f}x",
-            cpu["prefill_ms"] <= 0.8 * ort_d["prefill_ms"]),
+        row("prefill <= 0.8x onnxruntime's time (timed in turn: median ratio)", f"{prefill_ratio(res):.2f}x",
+            prefill_ratio(res) <= 0.8),
         row("P99/P50 step latency <= 1.15 (cpu target)", f"{cpu['p99_ms'] / cpu['p50_ms']:.2f}",
             cpu["p99_ms"] <= 1.15 * cpu["p50_ms"]),
     ]
@@ -488,6 +497,15 @@ def render(res: dict[str, Any]) -> str:
     ]
     for d in res["decode"]:
         lines.append(f"| {d['system']} | {d['prefill_ms']:.1f} | {cpu['prefill_ms'] / d['prefill_ms']:.2f} |")
+    pt = res.get("prefill_turns")
+    if pt:
+        lines += ["", f"Timed in turn (bench/prefill_ab.py: both loaded, each in its own process, {pt['rounds']} "
+                  "rounds, the order alternating, so that drift falls on both alike; the target is judged on this): "
+                  f"npuc (cpu target) {pt['npuc_ms']:.1f} ms, onnxruntime {pt['ort_ms']:.1f} ms (medians); "
+                  f"npuc / onnxruntime per round: median {pt['ratio']:.2f}x, quartiles {pt['ratio_q1']:.2f}x-"
+                  f"{pt['ratio_q3']:.2f}x. onnxruntime's prefill computes the logits of all {s.prompt} rows, as "
+                  "the exported model's output says; npuc's .om computes the last row's only "
+                  "(`--prefill_logits last`, its default: passes/last_token_logits.py)."]
     if res.get("quant"):
         import quant_bench
 
@@ -570,9 +588,10 @@ def analysis(res: dict[str, Any]) -> list[str]:
     if npu["p50_ms"] > 1.1 * cpu["p50_ms"]:
         out.append(f"- Default target: {npu['p50_ms']:.2f} ms against {cpu['p50_ms']:.2f} ms; its step: "
                    + ", ".join(f"{k} {v:.0%}" for k, v in npu["profile"][:5]) + ".")
-    if cpu["prefill_ms"] > 0.8 * ort_d["prefill_ms"]:
-        out.append(f"- Prefill: {cpu['prefill_ms']:.1f} ms against onnxruntime's {ort_d['prefill_ms']:.1f} ms "
-                   f"(0.8x would be {0.8 * ort_d['prefill_ms']:.1f} ms).")
+    if prefill_ratio(res) > 0.8:
+        pt = res.get("prefill_turns") or {"npuc_ms": cpu["prefill_ms"], "ort_ms": ort_d["prefill_ms"]}
+        out.append(f"- Prefill: {pt['npuc_ms']:.1f} ms against onnxruntime's {pt['ort_ms']:.1f} ms, "
+                   f"{prefill_ratio(res):.2f}x (0.8x would be {0.8 * pt['ort_ms']:.1f} ms).")
     if cpu["p99_ms"] > 1.15 * cpu["p50_ms"]:
         out.append(f"- P99/P50 {cpu['p99_ms'] / cpu['p50_ms']:.2f} over {len(cpu['steps_ms'])} steps (the "
                    f"second-slowest step); in the same run HF's is {hf_d['p99_ms'] / hf_d['p50_ms']:.2f} and "
@@ -694,6 +713,11 @@ def main(argv: list[str] | None = None) -> None:
     decode.append(run_hf(ckpt, s))
     print("[bench] onnxruntime", file=sys.stderr)
     decode.append(run_ort(ckpt, s, work, threads))
+    print("[bench] prefill, npuc and onnxruntime in turn (bench/prefill_ab.py)", file=sys.stderr)
+    import prefill_ab
+
+    prefill_turns = prefill_ab.interleaved(decode[0]["om"], *decode[-1]["models"], prompt_ids(s), threads,
+                                           rounds=3 if args.quick else 15)
     quant = run_quant(ckpt, s, work, threads, args.llamacpp_python, decode[0]["tokens"])
     fp32 = [d for d in decode if "bf16" not in d["system"]]
     same = len({tuple(d["tokens"]) for d in fp32}) == 1
@@ -725,7 +749,7 @@ def main(argv: list[str] | None = None) -> None:
         "weight_bytes": weight_bytes, "read_bytes": read_bytes, "bandwidth_gbps": bw,
         "bound_tok_per_s": bw * 1e9 / read_bytes,
         "plans": plans, "passes": passes, "scale": scale, "notes": notes, "compile_time": compile_time, "tail": step_tail,
-        "quant": quant,
+        "quant": quant, "prefill_turns": prefill_turns,
         "gpu": ("Not run: this machine has no GPU (torch.cuda.is_available() is False)."
                 if not torch.cuda.is_available() else "A GPU is present, but the CUDA benchmark is not written yet."),
     }
