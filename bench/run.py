@@ -461,7 +461,7 @@ def render(res: dict[str, Any]) -> str:
             bf16["tok_per_s"] >= 2.5 * hf_d["tok_per_s"]),
         row(f"bf16 greedy tokens agree with the fp32 .om ({len(cpu['tokens'])} tokens)",
             "all agree" if diverge is None else f"first differs at token {diverge}", diverge is None),
-        row("prefill <= 0.8x onnxruntime's time (timed in turn: median ratio)", f"{prefill_ratio(res):.2f}x",
+        row("prefill <= 0.8x onnxruntime's time (timed in turn: median ratio)", f"{prefill_ratio(res):.3f}x",
             prefill_ratio(res) <= 0.8),
         row("P99/P50 step latency <= 1.15 (cpu target)", f"{cpu['p99_ms'] / cpu['p50_ms']:.2f}",
             cpu["p99_ms"] <= 1.15 * cpu["p50_ms"]),
@@ -502,7 +502,7 @@ def render(res: dict[str, Any]) -> str:
         lines += ["", f"Timed in turn (bench/prefill_ab.py: both loaded, each in its own process, {pt['rounds']} "
                   "rounds, the order alternating, so that drift falls on both alike; the target is judged on this): "
                   f"npuc (cpu target) {pt['npuc_ms']:.1f} ms, onnxruntime {pt['ort_ms']:.1f} ms (medians); "
-                  f"npuc / onnxruntime per round: median {pt['ratio']:.2f}x, quartiles {pt['ratio_q1']:.2f}x-"
+                  f"npuc / onnxruntime per round: median {pt['ratio']:.3f}x, quartiles {pt['ratio_q1']:.2f}x-"
                   f"{pt['ratio_q3']:.2f}x. onnxruntime's prefill computes the logits of all {s.prompt} rows, as "
                   "the exported model's output says; npuc's .om computes the last row's only "
                   "(`--prefill_logits last`, its default: passes/last_token_logits.py)."]
@@ -591,7 +591,7 @@ def analysis(res: dict[str, Any]) -> list[str]:
     if prefill_ratio(res) > 0.8:
         pt = res.get("prefill_turns") or {"npuc_ms": cpu["prefill_ms"], "ort_ms": ort_d["prefill_ms"]}
         out.append(f"- Prefill: {pt['npuc_ms']:.1f} ms against onnxruntime's {pt['ort_ms']:.1f} ms, "
-                   f"{prefill_ratio(res):.2f}x (0.8x would be {0.8 * pt['ort_ms']:.1f} ms).")
+                   f"{prefill_ratio(res):.3f}x (0.8x would be {0.8 * pt['ort_ms']:.1f} ms).")
     if cpu["p99_ms"] > 1.15 * cpu["p50_ms"]:
         out.append(f"- P99/P50 {cpu['p99_ms'] / cpu['p50_ms']:.2f} over {len(cpu['steps_ms'])} steps (the "
                    f"second-slowest step); in the same run HF's is {hf_d['p99_ms'] / hf_d['p50_ms']:.2f} and "
