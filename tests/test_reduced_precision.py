@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import make_config
-from test_moe import moe_config
+from hf_models import make_config, moe_config
 
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType
