@@ -277,6 +277,26 @@ def _native_transpose(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | N
                              dims.data_ptr() + 32, ls.threads)
 
 
+def _native_gather(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """Rows of a table along axis 0 by i64 indices (the embedding lookup): a memcpy per row,
+    with no torch kernel (whose OpenMP workers would then spin against npuc's pool). An
+    index outside the table falls to the reference kernel, which refuses it."""
+    x, idx, out = b.ins[0], b.ins[1], b.outs[0]
+    if x.dim() < 1 or b.attrs["axis"] % x.dim() != 0 or idx.dtype != torch.int64 or x.dtype != out.dtype \
+            or not _contiguous(x, idx, out):
+        return None
+    row = x.element_size() * math.prod(x.shape[1:])
+    call = functools.partial(lib.npuc_gather_rows, x.data_ptr(), x.shape[0], row, idx.data_ptr(), idx.numel(),
+                             out.data_ptr())
+    fallback = _generic(b)
+
+    def run() -> None:
+        if call():
+            fallback()
+
+    return run
+
+
 def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     """Prefill's attention without a mask: decode's cached-attention kernel, with query i
     attending keys 0..min(i, L - 1) (causal, torch's top-left alignment) or all L keys."""
@@ -457,5 +477,5 @@ _NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] =
     "linear": _native_linear, "rms_norm": _native_rms_norm, "rope_lut": _native_rope, "kv_write": _native_kv_write,
     "cached_attention": _native_cached_attention, "swiglu": _native_elementwise("npuc_swiglu_f32"),
     "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast, "qlinear": _native_qlinear,
-    "transpose": _native_transpose, "fused_attention": _native_fused_attention,
+    "transpose": _native_transpose, "fused_attention": _native_fused_attention, "gather": _native_gather,
 }

@@ -300,13 +300,15 @@ def test_kv_write(lib: Any, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("qdt, cdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("s, pos", [(1, [40]), (3, [0, 17, 63])])
-def test_cached_attention(lib: Any, qdt: torch.dtype, cdt: torch.dtype, s: int, pos: list[int]) -> None:
-    q = torch.randn(2, 8, s, 64).to(qdt)
-    kc, vc = torch.randn(2, 2, 64, 64).to(cdt), torch.randn(2, 2, 64, 48).to(cdt)
+@pytest.mark.parametrize("d, dv", [(64, 48), (64, 64), (32, 64)])  # 64: the head dim held in registers
+def test_cached_attention(lib: Any, qdt: torch.dtype, cdt: torch.dtype, s: int, pos: list[int], d: int, dv: int
+                          ) -> None:
+    q = torch.randn(2, 8, s, d).to(qdt)
+    kc, vc = torch.randn(2, 2, 64, d).to(cdt), torch.randn(2, 2, 64, dv).to(cdt)
     ins = [q, kc, vc, torch.tensor(pos)]
     attrs = {"scale": 0.125}
     want = _ref("cached_attention", [q.float(), kc.float(), vc.float(), torch.tensor(pos)], attrs)
-    kind, (got,) = _launch(lib, "cached_attention", ins, attrs, [torch.empty(2, 8, s, 48, dtype=qdt)])
+    kind, (got,) = _launch(lib, "cached_attention", ins, attrs, [torch.empty(2, 8, s, dv, dtype=qdt)])
     assert kind == "native"
     _close(got, want, torch.bfloat16 if torch.bfloat16 in (qdt, cdt) else torch.float32)
 
@@ -367,11 +369,13 @@ def test_transpose(lib: Any, shape: tuple[int, ...], perm: tuple[int, ...], dtyp
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("s, length, hq, hkv", [(128, 128, 12, 4), (5, 9, 4, 4), (9, 5, 2, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_attention(lib: Any, causal: bool, s: int, length: int, hq: int, hkv: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dv", [32, 64])
+def test_fused_attention(lib: Any, causal: bool, s: int, length: int, hq: int, hkv: int, dtype: torch.dtype,
+                         dv: int) -> None:
     """Prefill's attention: causal with torch's top-left alignment (S < L and S > L too),
     grouped-query heads, bf16 operands computed in f32."""
     q = torch.randn(2, hq, s, 64).to(dtype)
-    k, v = torch.randn(2, hkv, length, 64).to(dtype), torch.randn(2, hkv, length, 32).to(dtype)
+    k, v = torch.randn(2, hkv, length, 64).to(dtype), torch.randn(2, hkv, length, dv).to(dtype)
     attrs = {"scale": 0.125, "causal": causal}
     want = _ref("fused_attention", [q, k, v], attrs)
     kind, (got,) = _launch(lib, "fused_attention", [q, k, v], attrs, [want])
@@ -594,3 +598,16 @@ def test_a_slot_unlike_its_shape_rule_is_never_written_natively(lib: Any, name: 
     od = get_op(name)
     kind, f = Launchers(lib)._choose(Bound(od, od.full_attrs({}), ins, [out], None))
     assert kind != "native" and f is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_gather_rows(lib: Any, dtype: torch.dtype) -> None:
+    """The embedding lookup: rows by index, one counted from the end; an index outside the
+    table is refused by the reference kernel, as before, and nothing is written."""
+    table = (torch.randn(50, 12) * 50).to(dtype)
+    idx = torch.tensor([[3, 49, -1, 0]])
+    want = _ref("gather", [table, idx], {"axis": 0})
+    kind, (got,) = _launch(lib, "gather", [table, idx], {"axis": 0}, [want])
+    assert kind == "native" and torch.equal(got, want)
+    with pytest.raises(IndexError):
+        _launch(lib, "gather", [table, torch.tensor([[3, 50]])], {"axis": 0}, [torch.empty(1, 2, 12, dtype=dtype)])

@@ -1009,6 +1009,56 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef NPUC_AVX2
+/* Head dim 64, the common one: q (8 vectors) stays in registers over the keys, and the
+ * output row over the values, so each K or V load feeds an FMA without a q or acc load
+ * beside it. The same sums in the same order as the general loops below. */
+static i64 scores64(const float *qf, const void *kc, int cbf, i64 row, i64 n, float scale, float *sc, float *mx) {
+    __m256 q0 = _mm256_loadu_ps(qf), q1 = _mm256_loadu_ps(qf + 8), q2 = _mm256_loadu_ps(qf + 16),
+           q3 = _mm256_loadu_ps(qf + 24), q4 = _mm256_loadu_ps(qf + 32), q5 = _mm256_loadu_ps(qf + 40),
+           q6 = _mm256_loadu_ps(qf + 48), q7 = _mm256_loadu_ps(qf + 56);
+    const __m128 vs = _mm_set1_ps(scale);
+    i64 r = 0;
+    for (; r + 4 <= n; r += 4, row += 4 * 64) {
+        __m256 a[4];
+        for (int t = 0; t < 4; t++) {
+            i64 o = row + t * 64;
+            __m256 x = _mm256_fmadd_ps(q0, load8_any(kc, cbf, o), _mm256_setzero_ps());
+            x = _mm256_fmadd_ps(q1, load8_any(kc, cbf, o + 8), x);
+            x = _mm256_fmadd_ps(q2, load8_any(kc, cbf, o + 16), x);
+            x = _mm256_fmadd_ps(q3, load8_any(kc, cbf, o + 24), x);
+            x = _mm256_fmadd_ps(q4, load8_any(kc, cbf, o + 32), x);
+            x = _mm256_fmadd_ps(q5, load8_any(kc, cbf, o + 40), x);
+            x = _mm256_fmadd_ps(q6, load8_any(kc, cbf, o + 48), x);
+            a[t] = _mm256_fmadd_ps(q7, load8_any(kc, cbf, o + 56), x);
+        }
+        __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m128 s4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)), vs);
+        _mm_storeu_ps(sc + r, s4);
+        for (int t = 0; t < 4; t++) if (sc[r + t] > *mx) *mx = sc[r + t];
+    }
+    return r;
+}
+
+static void values64(const float *sc, float inv, const void *vc, int cbf, i64 row, i64 n, float *acc) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    for (i64 r = 0; r < n; r++, row += 64) {
+        __m256 p = _mm256_set1_ps(sc[r] * inv);
+        c0 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row), c0);
+        c1 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 8), c1);
+        c2 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 16), c2);
+        c3 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 24), c3);
+        c4 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 32), c4);
+        c5 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 40), c5);
+        c6 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 48), c6);
+        c7 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 56), c7);
+    }
+    _mm256_storeu_ps(acc, c0); _mm256_storeu_ps(acc + 8, c1); _mm256_storeu_ps(acc + 16, c2);
+    _mm256_storeu_ps(acc + 24, c3); _mm256_storeu_ps(acc + 32, c4); _mm256_storeu_ps(acc + 40, c5);
+    _mm256_storeu_ps(acc + 48, c6); _mm256_storeu_ps(acc + 56, c7);
+}
+#endif
+
 typedef struct {
     const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; void *out; int obf;
     i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
@@ -1024,8 +1074,9 @@ static void attention_chunk(const void *p, i64 job, int tid) {
     float mx = -INFINITY;
     i64 r4 = 0;
 #ifdef NPUC_AVX2
+    if (D == 64) r4 = scores64(qf, j->kc, j->cbf, kvh * L * D, n, j->scale, sc, &mx);
     /* four keys at a time: one q load serves four rows, and one reduction four sums */
-    if (D % 8 == 0)
+    if (D % 8 == 0 && D != 64)
         for (; r4 + 4 <= n; r4 += 4) {
             i64 row = (kvh * L + r4) * D;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -1065,8 +1116,12 @@ static void attention_chunk(const void *p, i64 job, int tid) {
     float inv = 1.0f / sum;
     i64 v4 = 0;
 #ifdef NPUC_AVX2
+    if (DV == 64) {
+        values64(sc, inv, j->vc, j->cbf, kvh * L * DV, n, acc);
+        v4 = n;
+    }
     /* four value rows per pass over acc */
-    if (DV % 8 == 0)
+    if (DV % 8 == 0 && DV != 64)
         for (; v4 + 4 <= n; v4 += 4) {
             i64 row = (kvh * L + v4) * DV;
             __m256 p0 = _mm256_set1_ps(sc[v4] * inv), p1 = _mm256_set1_ps(sc[v4 + 1] * inv),
@@ -1098,6 +1153,21 @@ int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc
         if (pos[i] < 0 || pos[i] >= L) return -1;
     attention_job j = {q, qbf, kc, vc, cbf, pos, out, obf, HQ, S, D, HKV, L, DV, scale, scratch};
     parallel(attention_chunk, &j, B * HQ * S, threads_for(B * HKV * L * (D + DV) * (cbf ? 2 : 4) * 4, nt));
+    return 0;
+}
+
+/* ---- gather: rows of a table by index (an embedding lookup) --------------------------------- */
+
+/* out[i] = row idx[i] of a table of `rows` rows of `row_bytes` each; an index may count from
+ * the end (-rows..-1). Non-zero, and nothing written, if one lies outside: the caller's
+ * reference kernel then refuses it. A few rows: a memcpy each, no threads. */
+int npuc_gather_rows(const void *table, i64 rows, i64 row_bytes, const int64_t *idx, i64 n, void *out) {
+    for (i64 i = 0; i < n; i++)
+        if (idx[i] < -rows || idx[i] >= rows) return 1;
+    for (i64 i = 0; i < n; i++) {
+        i64 r = idx[i] < 0 ? idx[i] + rows : idx[i];
+        memcpy((char *)out + i * row_bytes, (const char *)table + r * row_bytes, (size_t)row_bytes);
+    }
     return 0;
 }
 
@@ -1189,4 +1259,4 @@ int npuc_permute(const void *src, void *dst, i64 es, const int64_t *shape, const
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 4; }
+int npuc_kernels_abi(void) { return 5; }
