@@ -10,7 +10,8 @@ left to decide. Per step, the first that applies:
             weight once, as stored (layout nk or kn, f32 or bf16), and computes only the
             `valid_rows` of a tile-padded input; the other ops of a transformer block
             (rms_norm, rope_lut, kv_write, cached and fused attention, swiglu, add, f32/bf16
-            cast, a transpose that moves bytes) in one native call each, on the same pool
+            cast, a transpose that moves bytes, tile padding: only the rows that a later
+            step reads, tail_rows_read; a quantized embedding's rows) in one native call each, on the same pool
             at prefill sizes: torch's OpenMP threads, spinning after a kernel of theirs,
             would take the cores from the pool's GEMM (prefill 1.7x slower, measured)
     native-gemm  linear with many rows (prefill): runtime/native's GEMM over a copy of the
@@ -54,6 +55,8 @@ class Bound:
     ins: list[torch.Tensor]
     outs: list[torch.Tensor]
     ws: torch.Tensor | None
+    # Rows along the output's axis -2 that any later step reads (tail_rows_read); None: all.
+    rows_read: int | None = None
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -297,6 +300,46 @@ def _native_gather(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
     return run
 
 
+def tail_rows_read(steps: Sequence[Any], kept: set[int]) -> dict[int, int]:
+    """Steps (by index) whose output's tile-padded rows no later step reads: a `pad` read
+    only as the input of products with `valid_rows` (passes/align.py), which compute and
+    read those rows only. Such a pad need write only the rows read. `steps` have `opdef`,
+    `inputs`, `outputs` and `attrs`; `kept` are the tensors that outlive the run (program
+    outputs, state), whose every byte counts."""
+    readers: dict[int, list[Any]] = {}
+    for st in steps:
+        for t in set(st.inputs):
+            readers.setdefault(t, []).append(st)
+    found = {}
+    for i, st in enumerate(steps):
+        if st.opdef.name != "pad" or len(st.outputs) != 1 or st.outputs[0] in kept:
+            continue
+        o, rows = st.outputs[0], []
+        for r in readers.get(o, []):
+            if r.opdef.name not in ("linear", "qlinear") or r.inputs[0] != o or o in r.inputs[1:] \
+                    or not isinstance(r.attrs.get("valid_rows"), int):
+                break
+            rows.append(r.attrs["valid_rows"])
+        else:
+            if rows:
+                found[i] = max(rows)
+    return found
+
+
+def _native_pad(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """Tile padding with zeros at the end of the last two axes (passes/align.py's): a memcpy
+    and a memset per row, and only the rows a later step reads (Bound.rows_read)."""
+    x, out = b.ins[0], b.outs[0]
+    pads, r = list(b.attrs["pads"]), x.dim()
+    if len(b.ins) != 1 or b.attrs["mode"] != "constant" or r < 2 or any(pads[:r]) or any(pads[r:2 * r - 2]) \
+            or min(pads) < 0 or x.dtype != out.dtype or not _contiguous(x, out):
+        return None
+    m, k, m2, k2 = x.shape[-2], x.shape[-1], out.shape[-2], out.shape[-1]
+    fill = m2 if b.rows_read is None else max(0, min(b.rows_read, m2))
+    return _checked_call(functools.partial(lib.npuc_pad_rows, x.data_ptr(), out.data_ptr(), x.element_size(),
+                                           math.prod(x.shape[:-2]), m, k, m2, k2, fill), b)
+
+
 def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     """Prefill's attention without a mask: decode's cached-attention kernel, with query i
     attending keys 0..min(i, L - 1) (causal, torch's top-left alignment) or all L keys."""
@@ -407,6 +450,21 @@ def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | Non
     return _sequence(fs)
 
 
+def _native_dequantize(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """A quantized table's looked-up rows (passes/quant_fusion.py's gathered embedding),
+    as ir/quant.py's reference computes them, in one call."""
+    q, scale, zero = b.ins
+    out = b.outs[0]
+    bits, g = b.attrs["bits"], b.attrs["group_size"]
+    if not _contiguous(q, scale, zero, out) or q.dim() < 1 or scale.dtype not in (F32, BF16) \
+            or out.dtype not in (F32, BF16):
+        return None
+    k = out.shape[-1]
+    return _checked_call(functools.partial(lib.npuc_dequantize, q.data_ptr(), bits, scale.data_ptr(),
+                                           int(scale.dtype == BF16), zero.data_ptr(), out.numel() // max(k, 1), k, g,
+                                           out.data_ptr(), int(out.dtype == BF16)), b)
+
+
 def _checked_call(f: Callable[[], int], b: Bound) -> Launcher:
     """A native call that returns non-zero for arguments it does not take (the launcher
     checked them: this is a bug, said as one)."""
@@ -478,4 +536,5 @@ _NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] =
     "cached_attention": _native_cached_attention, "swiglu": _native_elementwise("npuc_swiglu_f32"),
     "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast, "qlinear": _native_qlinear,
     "transpose": _native_transpose, "fused_attention": _native_fused_attention, "gather": _native_gather,
+    "pad": _native_pad, "dequantize": _native_dequantize,
 }

@@ -29,7 +29,7 @@ from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
 from npuc.runtime import native
-from npuc.runtime.launch import Bound, Launchers
+from npuc.runtime.launch import Bound, Launchers, tail_rows_read
 from npuc.runtime.om_validate import attr_value, validate_model
 
 
@@ -104,10 +104,14 @@ class Session:
         self.views = [self._view(t) for t in self.tensors]
         # Each step's operand views, bound once, and its kernel chosen once (runtime/launch.py):
         # a run then only calls kernels.
-        self._bound = {name: [Bound(st.opdef, st.attrs, [self.views[i] for i in st.inputs],
-                                    [self.views[o] for o in st.outputs],
-                                    self.views[st.workspace] if st.workspace is not None else None)
-                              for st in p.steps] for name, p in self.programs.items()}
+        state = {i for i, t in enumerate(self.tensors) if t.region == "state"}
+        self._bound = {}
+        for name, p in self.programs.items():
+            tails = tail_rows_read(p.steps, state | set(p.output_ids))
+            self._bound[name] = [Bound(st.opdef, st.attrs, [self.views[i] for i in st.inputs],
+                                       [self.views[o] for o in st.outputs],
+                                       self.views[st.workspace] if st.workspace is not None else None, tails.get(j))
+                                 for j, st in enumerate(p.steps)]
         cpu = self.device.type == "cpu"
         if prepack is None:
             prepack = os.environ.get("NPUC_PREPACK", "1") != "0"

@@ -17,7 +17,7 @@ import torch
 from npuc.errors import NpucError
 from npuc.ir import DType, get_op
 from npuc.runtime import Session, native
-from npuc.runtime.launch import GEMV_MAX_ROWS, Bound, Launchers
+from npuc.runtime.launch import GEMV_MAX_ROWS, Bound, Launchers, tail_rows_read
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the runtime uses its torch kernels (tested below too)")
@@ -366,6 +366,75 @@ def test_transpose(lib: Any, shape: tuple[int, ...], perm: tuple[int, ...], dtyp
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("bits, group", [(8, 768), (8, 32), (4, 128), (4, 2)])
+@pytest.mark.parametrize("sdt, odt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                      (torch.float32, torch.bfloat16)])
+def test_dequantize(lib: Any, bits: int, group: int, sdt: torch.dtype, odt: torch.dtype) -> None:
+    """Looked-up rows of a quantized table: bit-identical to the reference (the same f32
+    operations in the same order, one rounding to the output dtype)."""
+    from npuc.ir.quant import quantize_rtn
+
+    q, scale, zero = quantize_rtn(torch.randn(1, 3, 768) * 3, bits, group, symmetric=False)
+    attrs = {"bits": bits, "group_size": group, "dtype": DType.from_torch(odt)}
+    ins = [q, scale.to(sdt), zero]
+    want = _ref("dequantize", ins, attrs)
+    kind, (got,) = _launch(lib, "dequantize", ins, attrs, [want])
+    assert kind == "native"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape, pads", [((1, 1, 768), [0, 0, 0, 0, 15, 0]), ((3, 5, 7), [0, 0, 0, 0, 11, 9]),
+                                         ((2, 1, 16), [0, 0, 0, 0, 0, 16]), ((6, 4), [0, 0, 12, 4])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_pad(lib: Any, shape: tuple[int, ...], pads: list[int], dtype: torch.dtype) -> None:
+    x = (torch.randn(shape) * 100).to(dtype)
+    want = _ref("pad", [x], {"pads": pads})
+    kind, (got,) = _launch(lib, "pad", [x], {"pads": pads}, [want])
+    assert kind == "native"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows_read", [1, 2, 3])
+def test_pad_writes_only_the_rows_read(lib: Any, rows_read: int) -> None:
+    """A pad read only by products over their valid rows writes those rows (x's, with the
+    zeros after each) and leaves the tile padding below them as it was."""
+    x, pads = torch.randn(3, 2, 7), [0, 0, 0, 0, 14, 9]
+    want = _ref("pad", [x], {"pads": pads})
+    out = torch.full_like(want, float("nan"))
+    od = get_op("pad")
+    kind, f = Launchers(lib)._choose(Bound(od, od.full_attrs({"pads": pads}), [x], [out], None, rows_read))
+    assert kind == "native" and f is not None
+    f()
+    assert torch.equal(out[:, :rows_read], want[:, :rows_read])
+    assert out[:, rows_read:].isnan().all()
+
+
+@pytest.mark.parametrize("pads, value", [([0, 0, 1, 0, 15, 0], None), ([0, 0, 0, 0, 15, 0], torch.tensor(2.0)),
+                                         ([0, 0, 0, 1, 15, 0], None)])
+def test_pad_elsewhere_is_torchs(lib: Any, pads: list[int], value: torch.Tensor | None) -> None:
+    """Padding before the data, on a leading axis, or with another value: the out-kernel's."""
+    x = torch.randn(2, 1, 8)
+    ins = [x] + ([value] if value is not None else [])
+    want = _ref("pad", ins, {"pads": pads})
+    kind, (got,) = _launch(lib, "pad", ins, {"pads": pads}, [want])
+    assert kind == "out"
+    assert torch.equal(got, want)
+
+
+def test_tail_rows_read_only_where_products_alone_read_the_padding() -> None:
+    from types import SimpleNamespace as NS
+
+    def st(op: str, ins: tuple[int, ...], outs: tuple[int, ...], **attrs: Any) -> Any:
+        return NS(opdef=get_op(op), inputs=ins, outputs=outs, attrs=attrs)
+
+    steps = [st("pad", (0,), (1,)), st("linear", (1, 9), (2,), valid_rows=1), st("qlinear", (1, 8), (3,), valid_rows=2),
+             st("pad", (0,), (4,)), st("linear", (4, 9), (5,), valid_rows=1), st("add", (4, 5), (6,)),  # 4: an add too
+             st("pad", (0,), (7,)), st("linear", (7, 9), (10,)),  # no valid_rows: every row is computed
+             st("pad", (0,), (11,)), st("linear", (11, 11), (12,), valid_rows=1),  # the padded value as the weight
+             st("pad", (0,), (13,)), st("linear", (13, 9), (14,), valid_rows=1)]  # 13: a program output
+    assert tail_rows_read(steps, kept={13}) == {0: 2}
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("s, length, hq, hkv", [(128, 128, 12, 4), (5, 9, 4, 4), (9, 5, 2, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -454,6 +523,9 @@ def _decode_logits(s: Session, steps: int = 6) -> list[torch.Tensor]:
 def test_native_decode_matches_the_torch_kernels(host_lib: Any, llama_gen: dict[str, Path], soc: str) -> None:
     fast, ref = Session.load(str(llama_gen[soc])), Session.load(str(llama_gen[soc]), use_native=False)
     assert fast.launchers.kinds.get("native", 0) > 0 and "native" not in ref.launchers.kinds
+    pads = [b for b in fast._bound["decode"] if b.opdef.name == "pad"]
+    # The npu target's tile padding of decode's one row: each pad writes that row only.
+    assert (len(pads) > 0) == (soc == "npu") and all(b.rows_read == 1 for b in pads)
     for a, b in zip(_decode_logits(fast), _decode_logits(ref), strict=True):
         _close(a, b)
 

@@ -1171,6 +1171,46 @@ int npuc_gather_rows(const void *table, i64 rows, i64 row_bytes, const int64_t *
     return 0;
 }
 
+/* ---- dequantize: rows of a quantized table (a quantized embedding's looked-up rows) ---------
+ * out[r, k] = (code[r, k] - zero[r, k / G]) * scale[r, k / G], in f32 (ir/quant.py's
+ * dequantize_ref, the same operations in the same order), stored f32 or bf16. Codes: i8
+ * (bits 8) or two u8 nibbles a byte, low first (bits 4); zero points i8 or u8 alike; scales
+ * f32 or bf16. A decode step's one row: no threads. */
+int npuc_dequantize(const void *q, int bits, const void *scale, int sbf, const void *zero, i64 rows, i64 K, i64 G,
+                    void *out, int obf) {
+    if (G < 1 || K % G || (bits != 4 && bits != 8) || (bits == 4 && K % 2)) return 1;
+    i64 ng = K / G;
+    for (i64 r = 0; r < rows; r++)
+        for (i64 g = 0; g < ng; g++) {
+            float s = load_any(scale, sbf, r * ng + g);
+            float z = bits == 8 ? (float)((const int8_t *)zero)[r * ng + g] : (float)((const uint8_t *)zero)[r * ng + g];
+            for (i64 k = g * G; k < (g + 1) * G; k++) {
+                int c = bits == 8 ? ((const int8_t *)q)[r * K + k]
+                                  : (((const uint8_t *)q)[(r * K + k) / 2] >> (4 * (k & 1))) & 0xF;
+                store_any(out, obf, r * K + k, ((float)c - z) * s);
+            }
+        }
+    return 0;
+}
+
+/* ---- pad: tile padding at the end of the last two axes --------------------------------------
+ * x [lead, m, k] into out [lead, m2, k2] (m2 >= m, k2 >= k), zeros after: per leading index,
+ * rows 0..fill-1 of out are written (x's row and zeros after it, or zeros past m); rows from
+ * `fill` on are left as they are: the caller passes fill < m2 only where no reader looks at
+ * them (a product that computes its valid rows only). A decode step's pads are a row or two:
+ * a memcpy each, no threads. */
+int npuc_pad_rows(const void *x, void *out, i64 es, i64 lead, i64 m, i64 k, i64 m2, i64 k2, i64 fill) {
+    if (m > m2 || k > k2 || fill > m2) return 1;
+    for (i64 l = 0; l < lead; l++)
+        for (i64 i = 0; i < fill; i++) {
+            char *to = (char *)out + ((l * m2 + i) * k2) * es;
+            i64 kept = i < m ? k : 0;
+            if (kept) memcpy(to, (const char *)x + ((l * m + i) * k) * es, (size_t)(kept * es));
+            if (k2 > kept) memset(to + kept * es, 0, (size_t)((k2 - kept) * es));
+        }
+    return 0;
+}
+
 /* ---- element-wise ops and copies: one pass over memory, cut over the pool at prefill sizes -- */
 
 #define EW_CHUNK 16384 /* elements per chunk: 64 KiB of f32, a few microseconds of work */
@@ -1259,4 +1299,4 @@ int npuc_permute(const void *src, void *dst, i64 es, const int64_t *shape, const
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 5; }
+int npuc_kernels_abi(void) { return 7; }
