@@ -31,6 +31,9 @@ class Target:
     capacity_bytes: int = 1 << 40
     bandwidth_gbps: float = 100.0
     dtypes: frozenset[DType] = frozenset(DType)
+    # The activations of a quantized product (w8a16, w4a16) where the precision mode keeps
+    # the model's dtype: the matrix unit's 16-bit input, or None (the model's own dtype).
+    quant_activations: DType | None = DType.bf16
     description: str = ""
     path: str = ""
 
@@ -40,6 +43,10 @@ _KEYS: dict[tuple[str, ...], type | tuple[type, ...]] = {
     ("memory", "weight_alignment"): int, ("memory", "capacity_bytes"): int,
     ("memory", "bandwidth_gbps"): (int, float), ("dtypes", "supported"): list, ("attention", "max_head_dim"): int,
 }
+
+
+# matrix.quant_activations (optional; default bf16): "model" keeps the model's own dtype.
+_QUANT_ACTIVATIONS: dict[str, DType | None] = {"bf16": DType.bf16, "f16": DType.f16, "model": None}
 
 
 def builtin_targets() -> list[str]:
@@ -80,7 +87,11 @@ def load_target(path: str | os.PathLike[str]) -> Target:
     unknown = [d for d in values[("dtypes", "supported")] if d not in names]
     if unknown:
         raise _bad(p, "dtypes.supported", f"has unknown dtypes {unknown} (known: {sorted(names)})")
+    qact = data.get("matrix", {}).get("quant_activations", "bf16") if isinstance(data.get("matrix"), dict) else "bf16"
+    if qact not in _QUANT_ACTIVATIONS:
+        raise _bad(p, "matrix.quant_activations", f"must be one of {sorted(_QUANT_ACTIVATIONS)}, not {qact!r}")
     return Target(
+        quant_activations=_QUANT_ACTIVATIONS[qact],
         name=values[("name",)], alignment=values[("memory", "alignment")], matrix_tile=values[("matrix", "tile")],
         weight_alignment=values[("memory", "weight_alignment")], max_head_dim=values[("attention", "max_head_dim")],
         vector_width=values[("vector", "width_bytes")], capacity_bytes=values[("memory", "capacity_bytes")],

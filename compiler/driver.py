@@ -645,12 +645,13 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
     last row's logits where the model allows, "last" insists, "all" keeps every row."""
     if max_seq_len is None:
-        return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize)]
+        return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize,
+                                 quant_activations=target.quant_activations)]
     cache_len = align_up(max_seq_len, target.matrix_tile)
     last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, tables, position), last if role == "prefill" else None,
-                             quantize)
+                             quantize, quant_activations=target.quant_activations)
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
 
 

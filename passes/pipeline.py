@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from npuc.ir import DType
 from npuc.passes.align import TargetAlignment
 from npuc.passes.attention_fusion import AttentionFusion
 from npuc.passes.bias_fusion import BiasFusion
@@ -24,12 +25,14 @@ from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype: frozenset[str] = frozenset(),
                      tile: int = 16, max_head_dim: int = 256, kv_cache: KVCache | None = None,
-                     last_token: LastTokenLogits | None = None, quantize: Quantize | None = None) -> list[Pass]:
+                     last_token: LastTokenLogits | None = None, quantize: Quantize | None = None,
+                     quant_activations: DType | None = DType.bf16) -> list[Pass]:
     """`kv_cache` (a prefill or decode program of a model with --max_seq_len) runs once
     attention is fused, before precision and alignment see the result; so does
     `last_token` (a prefill program computing the logits of one row). `quantize`
     (--quant_type) stores the weights of the fused products packed; quant-fusion, which
-    always runs, makes products over packed weights (quantized or imported) read them so."""
+    always runs, makes products over packed weights (quantized or imported) read them so;
+    `quant_activations` is the target's dtype for their activations (passes/precision.py)."""
     return [
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
@@ -47,7 +50,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         BiasFusion(),
         *([quantize] if quantize is not None else []),  # once products and their biases are whole
         QuantFusion(),
-        Precision(precision_mode, keep_dtype),
+        Precision(precision_mode, keep_dtype, quant_activations=quant_activations),
         TargetAlignment(tile, max_head_dim),   # pad matrix products and attention to the tile
         ConstantFolding(),
         CommonSubexpressionElimination(),

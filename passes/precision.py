@@ -22,8 +22,12 @@ ops pass f16 between them, and the casts of constant weights fold lazily: the we
 are stored in f16.
 
 Quantized products (`qlinear`, from `--quant_type w8a16|w4a16` or an imported quantized
-model) take 16-bit activations in every mode but force_fp32: f16 under the f16 modes,
-bf16 otherwise, even under must_keep_origin_dtype; the a16 in the quant type's name.
+model) take 16-bit activations under the f16 modes (f16) and allow_mix_precision_bf16
+(bf16); under must_keep_origin_dtype and the other modes but force_fp32 they take the
+target's `matrix.quant_activations`: bf16 on the npu target (the a16 in the quant type's
+name: its matrix unit multiplies 16-bit operands), the model's own dtype on the cpu
+target, whose kernels read f32 activations as fast (the codes are the bytes that count)
+and so need no casts around each product.
 
 Ops named in `keep` (node names, `--keep_dtype`) keep their precision. Norms and
 softmax accumulate in f32 inside their kernels whatever their storage dtype.
@@ -111,11 +115,14 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def _target(mode: str, node: Node) -> DType | None:
+def _target(mode: str, node: Node, quant_activations: DType | None = DType.bf16) -> DType | None:
     if node.op == "qlinear" and mode != "force_fp32":
-        # w8a16 / w4a16: a quantized product takes 16-bit activations in every mode but
-        # force_fp32 (the host kernel widens codes, never activations, so this costs no speed)
-        return DType.f16 if mode in ("force_fp16", "allow_fp32_to_fp16") else DType.bf16
+        # w8a16 / w4a16: a quantized product takes the 16-bit activations of the f16 and bf16
+        # modes, and otherwise the target's (its matrix unit's input, bf16 on the npu; the
+        # cpu's kernels read f32 as fast, so none there and no casts around the product)
+        if mode in ("force_fp16", "allow_fp32_to_fp16"):
+            return DType.f16
+        return DType.bf16 if mode == "allow_mix_precision_bf16" else quant_activations
     if mode == "force_fp32":
         return DType.f32
     if mode == "force_fp16":
@@ -127,9 +134,9 @@ def _target(mode: str, node: Node) -> DType | None:
     return None
 
 
-def _want(mode: str, node: Node) -> DType | None:
+def _want(mode: str, node: Node, quant_activations: DType | None = DType.bf16) -> DType | None:
     """The dtype the mode converts `node` to, or None where it computes as it is."""
-    want = _target(mode, node)
+    want = _target(mode, node, quant_activations)
     if want is None or node.op in _NO_CONVERT or len(node.outputs) != 1:
         return None
     dt = node.outputs[0].type.dtype
@@ -181,18 +188,22 @@ class Precision(Pass):
     mode: str = "must_keep_origin_dtype"
     keep: frozenset[str] = field(default_factory=frozenset)
     rope_table_tol: float = 1e-3
+    # A quantized product's activations where the mode keeps the model's dtype (the target's
+    # matrix.quant_activations); None: the model's own.
+    quant_activations: DType | None = DType.bf16
 
     def call(self, g: Graph) -> PassResult:
         mode = check_mode(self.mode)
         details: dict[str, list[str]] = {"converted": [], "kept": [], "reads_state": [], "caches": [],
                                          "rope_tables": [], "rope_tables_f32": []}
-        if mode == "must_keep_origin_dtype" and not any(n.op == "qlinear" for n in g.nodes):
+        if mode == "must_keep_origin_dtype" and (self.quant_activations is None
+                                                 or not any(n.op == "qlinear" for n in g.nodes)):
             return PassResult(g, False)
         made: Casts = {}
         for st in list(g.states.values()):
             self._cache(g, mode, st, details, made)
         for node in list(g.nodes):
-            want = _want(mode, node)
+            want = _want(mode, node, self.quant_activations)
             if want is None:
                 continue
             if self._kept(node):
@@ -217,7 +228,7 @@ class Precision(Pass):
         if w is None or w.op != "kv_write" or w.inputs[0] is not st:
             return
         readers = [n for v in (w.inputs[1], w.outputs[0]) for n in v.users() if n.op in ATTENTION]
-        wants = {None if self._kept(n) else _want(mode, n) for n in readers}
+        wants = {None if self._kept(n) else _want(mode, n, self.quant_activations) for n in readers}
         want = wants.pop() if len(wants) == 1 else None
         if want is None or want == st.type.dtype:
             return

@@ -82,6 +82,23 @@ def test_quantized_onnx_matches_hf_over_rounded_weights(arch: str, onnx_exports:
     assert float((got - want).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("soc, act", [("cpu", torch.float32), ("npu", torch.bfloat16)])
+def test_quantized_activations_follow_the_target(soc: str, act: torch.dtype, hf_checkpoints: dict[str, Path],
+                                                  hf_models: dict[str, Any], tmp_path: Path) -> None:
+    """The default precision mode: the npu target's quantized products read bf16 (its matrix
+    unit's operands, with a cast either side), the cpu target's the model's f32, with no
+    casts, and so match the rounded model as closely as force_fp32 does."""
+    om = compile_model(str(hf_checkpoints["llama"]), input_shape="input_ids:1,8", output=str(tmp_path / soc),
+                       quant_type="w4a16", group_size=GROUP, soc_version=soc)
+    sess = Session.load(om)
+    steps = sess.programs[next(iter(sess.programs))].steps
+    qx = {sess.tensors[st.inputs[0]].dtype.torch for st in steps if st.opdef.name == "qlinear"}
+    assert qx == {act}
+    assert ("cast" in {st.opdef.name for st in steps}) == (soc == "npu")
+    err = prefill_vs_hf(sess, fake_quantized(hf_models["llama"], 4))
+    assert err < 1e-4 if soc == "cpu" else 1e-4 < err < 0.05
+
+
 def test_quantized_moe_generates_in_the_default_mode(moe_checkpoint: Path, hf_models: dict[str, Any],
                                                      tmp_path: Path) -> None:
     """The default mode gives the quantized products bf16 activations: close to the rounded

@@ -53,6 +53,7 @@ def test_a_users_target_file_drives_alignment_and_tiles(hf_checkpoints: dict[str
     ({"alignment = 512 ": "alignment = 500 "}, "memory.alignment must be a positive power of two"),
     ({'"bool"]': '"bool", "f8"]'}, "dtypes.supported has unknown dtypes ['f8']"),
     ({"name = ": "name = = "}, "the file is not valid TOML"),
+    ({'quant_activations = "bf16"': 'quant_activations = "int8"'}, "matrix.quant_activations must be one of"),
 ])
 def test_bad_target_files_name_the_key(edit: dict[str, str], key: str, tmp_path: Path) -> None:
     with pytest.raises(NpucError) as info:
