@@ -94,31 +94,49 @@ def write_gguf(ckpt: Path, out: Path, qtype: str) -> Path:
     return out
 
 
+class Generator:
+    """The GGUF loaded once; `prefill()` evaluates the prompt from an empty cache, and
+    `generate()` does that and then greedy-decodes: (the new tokens, seconds of each decode
+    step; the first token comes from prefill, untimed). bench/decode_ab.py runs one too."""
+
+    def __init__(self, gguf_path: Path, prompt: list[int], new: int, threads: int) -> None:
+        import llama_cpp
+
+        self.prompt, self.new = prompt, new
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, len(prompt) + new + 16), n_batch=512,
+                                   n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+        self.vocab = self.llm.n_vocab()
+        self.version = llama_cpp.__version__
+
+    def _last(self) -> int:
+        return int(np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.vocab,)).argmax())
+
+    def prefill(self) -> None:
+        self.llm.reset()
+        self.llm.eval(self.prompt)
+
+    def generate(self) -> tuple[list[int], list[float]]:
+        self.prefill()
+        tokens, steps = [self._last()], []
+        for _ in range(self.new - 1):
+            t0 = time.perf_counter()
+            self.llm.eval([tokens[-1]])
+            tok = self._last()
+            steps.append(time.perf_counter() - t0)
+            tokens.append(tok)
+        return tokens, steps
+
+
 def run(gguf_path: Path, prompt: list[int], new: int, threads: int, reps: int) -> dict[str, Any]:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=max(256, len(prompt) + new + 16), n_batch=512,
-                          n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
-    vocab = llm.n_vocab()
-
-    def last_logits() -> np.ndarray:
-        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
-
+    g = Generator(gguf_path, prompt, new, threads)
     prefill = []
     for _ in range(reps):
-        llm.reset()
         t0 = time.perf_counter()
-        llm.eval(prompt)
+        g.prefill()
         prefill.append(time.perf_counter() - t0)
-    tokens, steps = [int(last_logits().argmax())], []
-    for _ in range(new - 1):
-        t0 = time.perf_counter()
-        llm.eval([tokens[-1]])
-        tok = int(last_logits().argmax())
-        steps.append(time.perf_counter() - t0)
-        tokens.append(tok)
-    return {"tokens": tokens, "steps": steps, "prefill": prefill, "version": llama_cpp.__version__,
-            "gguf_bytes": gguf_path.stat().st_size}
+    tokens, steps = g.generate()
+    return {"tokens": tokens, "steps": steps, "prefill": prefill, "version": g.version,
+            "gguf_bytes": gguf_path.stat().st_size, "gguf": str(gguf_path)}
 
 
 def main() -> None:

@@ -19,11 +19,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import decode_ab  # noqa: E402
 
 # argv: kind (npuc|ort), threads, prompt ids as JSON, then the model path(s). Answers "ready"
 # after two warm-up runs, then one line of seconds per line it reads.
@@ -52,22 +53,11 @@ for _ in sys.stdin:
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(BENCH), *args], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    line = p.stdout.readline().strip()
-    if line != "ready":
-        p.kill()
-        raise RuntimeError(f"prefill worker {args[0]} did not start (said {line!r})")
-    return p
+    return decode_ab.start_worker(None, _WORKER, args)
 
 
 def _time(p: subprocess.Popen[str]) -> float:
-    assert p.stdin is not None and p.stdout is not None
-    time.sleep(0.05)
-    p.stdin.write("go\n")
-    p.stdin.flush()
-    return float(p.stdout.readline())
+    return float(decode_ab.ask(p))
 
 
 def interleaved(om: str, ort_prefill: str, ort_decode: str, ids: list[int], threads: int,

@@ -63,7 +63,7 @@ def run_ort_nbits(ckpt: Path, s: Any, work: Path, threads: int, prompt: list[int
     del model
     qpre, qdec = ort_matmulnbits(pre, dec, work / "ort")
     tokens, steps, prefill = OrtLlama(qpre, qdec, threads).measure(prompt, s.new, s.reps)
-    return {"tokens": list(tokens), "steps": list(steps), "prefill": prefill,
+    return {"tokens": list(tokens), "steps": list(steps), "prefill": prefill, "models": [qpre, qdec],
             "bytes": sum(os.path.getsize(p) for p in Path(qdec).parent.glob("q4_*decode*"))}
 
 
@@ -82,17 +82,21 @@ def stats(name: str, tokens: list[int], steps: list[float], prefill: list[float]
             "prefill_ms": 1e3 * statistics.median(prefill)}
 
 
-def render(rows: list[dict[str, Any]], hf_tok_s: float, ref_tokens: list[int], fp32_bytes: int) -> list[str]:
+def render(rows: list[dict[str, Any]], vs_hf: Any, ref_tokens: list[int], fp32_bytes: int) -> list[str]:
+    """`vs_hf(row)`: the row's tokens/s over HF fp32's (per-round ratios where timed in turn)."""
     out = ["## Quantized decode", "",
            "The decode model and prompt above; npuc's rows are compiled with `--soc_version cpu`; tokens/s over the "
            "new tokens. `agree` counts the leading greedy tokens equal to npuc's fp32 tokens (quantization is "
            "expected to change some); weight bytes are the model file's (`.om`, ONNX with its data, GGUF) over the "
            "fp32 `.om`'s. llama.cpp's GGUF keeps `output.weight` in Q8_0 under Q4_0, as npuc keeps its LM head in "
            "int8 (bench/llamacpp.py).", "",
+           "Decode timed in turn with the rows above (bench/decode_ab.py; a row marked `own phase` was not), and "
+           "vs HF fp32 is the median of the per-round ratios.", "",
            "| system | tokens/s | vs HF fp32 | P50 step (ms) | prefill (ms) | weight bytes (x fp32) | agree |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         size = f"{r['bytes'] / fp32_bytes:.3f}" if r.get("bytes") else "n/a"
-        out.append(f"| {r['system']} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / hf_tok_s:.2f}x | {r['p50_ms']:.2f} | "
+        turn = "" if r.get("in_turn") else " (own phase)"
+        out.append(f"| {r['system']}{turn} | {r['tok_per_s']:.1f} | {vs_hf(r):.2f}x | {r['p50_ms']:.2f} | "
                    f"{r['prefill_ms']:.1f} | {size} | {agreement(r['tokens'], ref_tokens)}/{len(ref_tokens)} |")
     return out
