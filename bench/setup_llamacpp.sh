@@ -5,9 +5,19 @@
 # several minutes on 2 cores); gguf writes the model files.
 #   bash bench/setup_llamacpp.sh /tmp/lcpvenv
 #   python bench/run.py --llamacpp-python /tmp/lcpvenv/bin/python
+# A host that lists AMX but whose VM does not grant it to processes (seen on this farm's Intel
+# hosts) crashes llama.cpp's native build in its first eval (SIGSEGV in decode): there the
+# build names the AVX-512 set and leaves AMX out. CMAKE_ARGS overrides either choice; pip
+# must not reuse a wheel cached from another choice (PIP_NO_CACHE_DIR).
 set -euo pipefail
 venv="${1:-/tmp/lcpvenv}"
 python3 -m venv --system-site-packages "$venv"
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" MAKEFLAGS="-j$(nproc)" \
+native="-DGGML_NATIVE=ON"
+if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+    native="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+    native="$native -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_INT8=OFF"
+    native="$native -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
+fi
+PIP_NO_CACHE_DIR=1 CMAKE_ARGS="${CMAKE_ARGS:-$native}" MAKEFLAGS="-j$(nproc)" \
     "$venv/bin/pip" install -q "llama-cpp-python==0.3.36" "gguf==0.19.0"
 "$venv/bin/python" -c "import llama_cpp, gguf; print('llama.cpp ready:', llama_cpp.__version__, '$venv/bin/python')"
