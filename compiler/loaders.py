@@ -189,6 +189,12 @@ def _safetensors_index(path: Path) -> dict[str, tuple[str, tuple[str, tuple[int,
     return index
 
 
+def _has_experts_choice(transformers: Any) -> bool:
+    """Whether this transformers builds models with a choice of MoE experts implementation
+    (the `experts_implementation` keyword, 5.x): feature-detected, never by version."""
+    return hasattr(transformers.PreTrainedModel, "get_correct_experts_implementation")
+
+
 def load_hf_dir(path: Path) -> LoadedModel:
     try:
         import transformers
@@ -217,17 +223,27 @@ def load_hf_dir(path: Path) -> LoadedModel:
     if not index:
         raise NpucError("NPUC-E0305", f"{str(path)!r} has no *.safetensors weights",
                         "save the model with save_pretrained(..., safe_serialization=True)", exit_code=EXIT_IO)
+    build: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    # Mixture-of-experts layers: transformers' batched_mm experts (5.x) gather each token's
+    # expert weights with static shapes, where its default loops over the experts hit.
+    # Older versions have no such choice and reject the keyword: asked only where it exists.
+    if _has_experts_choice(transformers):
+        build["experts_implementation"] = "batched_mm"
     try:
         with _parameters_without_memory():
-            # Mixture-of-experts layers: transformers' batched_mm experts gather each token's
-            # expert weights with static shapes, where its default loops over the experts hit.
-            module = auto.from_config(config, dtype=dtype, attn_implementation="sdpa",
-                                      experts_implementation="batched_mm")
+            module = auto.from_config(config, **build)
     except ValueError as e:
         raise NpucError("NPUC-E0306", f"transformers cannot build {archs or config.model_type}: {e}",
                         "check that your transformers version supports this architecture",
                         exit_code=EXIT_UNSUPPORTED) from None
     module.eval()
+    if "experts_implementation" not in build:
+        moe = next((type(m).__name__ for m in module.modules() if "moe" in type(m).__name__.lower()), None)
+        if moe is not None:
+            raise NpucError("NPUC-E0306", f"transformers {transformers.__version__} builds {moe} as a loop over "
+                            "its experts, which depends on the routing (no static shapes to trace)",
+                            "use transformers 5 or newer, whose batched experts npuc traces",
+                            exit_code=EXIT_UNSUPPORTED)
     # Give each parameter uninitialised storage (pages are never touched) and find
     # its tensor in the checkpoint; tied parameters share one object, so one key.
     owners: dict[int, list[str]] = {}

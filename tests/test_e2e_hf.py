@@ -109,3 +109,36 @@ def test_graph_roundtrips_and_verifies_after_every_pass(arch: str, hf_checkpoint
     assert {"arange", "cumsum", "index", "cos", "sin", "full"}.isdisjoint(ops), ops
     attention = "mla_attention" if arch.startswith("deepseek") else "fused_attention"  # DeepSeek's MLA
     assert attention in ops and "linear" in ops
+
+
+def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path], moe_checkpoint: Path,
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers before 5 has no `experts_implementation` and rejects the keyword (every
+    HF-folder compile crashed on 4.57): it is asked for only where it exists. Without it a
+    dense model compiles as before, and MoE layers, which such versions build as a loop over
+    the experts, are refused with one coded line."""
+    from npuc.compiler import loaders
+    from npuc.compiler.driver import compile_model
+    from npuc.errors import NpucError
+    from npuc.runtime import Session
+
+    built: list[dict[str, object]] = []
+    import transformers
+
+    original = transformers.AutoModelForCausalLM.from_config
+
+    def from_config(config: object, **kw: object) -> object:
+        built.append(kw)
+        return original(config, **kw)
+
+    monkeypatch.setattr(loaders, "_has_experts_choice", lambda tf: False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
+    om = compile_model(str(hf_checkpoints["llama"]), input_shape="input_ids:1,8", output=str(tmp_path / "dense"))
+    assert built and all("experts_implementation" not in kw for kw in built)
+    ids = np.arange(3, 11, dtype=np.int64).reshape(1, 8)
+    got = Session.load(om).run({"input_ids": torch.from_numpy(ids)})["logits"].numpy()
+    np.testing.assert_allclose(got, hf_logits(hf_checkpoints["llama"], ids), atol=1e-4)
+    with pytest.raises(NpucError) as info:
+        compile_model(str(moe_checkpoint), input_shape="input_ids:1,8", output=str(tmp_path / "moe"))
+    assert info.value.code == "NPUC-E0306" and "DeepseekV3MoE" in info.value.message
+    assert not (tmp_path / "moe.om").exists()
