@@ -341,8 +341,9 @@ def _native_pad(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
 
 
 def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
-    """Prefill's attention without a mask: decode's cached-attention kernel, with query i
-    attending keys 0..min(i, L - 1) (causal, torch's top-left alignment) or all L keys."""
+    """Prefill's attention without a mask, query i attending keys 0..min(i, L - 1) (causal,
+    torch's top-left alignment) or all L keys: f32 with many queries, as small GEMMs
+    (npuc_attention_gemm); otherwise decode's cached-attention kernel."""
     if len(b.ins) != 3:
         return None  # a mask: torch's
     q, k, v = b.ins
@@ -351,6 +352,19 @@ def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launch
         return None
     pos = [min(i, length - 1) for i in range(s)] if b.attrs["causal"] else [length - 1] * s
     p = ls.keep(torch.tensor(pos, dtype=torch.int64))
+    out = b.outs[0]
+    if s > GEMV_MAX_ROWS and {q.dtype, k.dtype, v.dtype, out.dtype} == {F32} and _contiguous(q, k, v, out) \
+            and q.dim() == k.dim() == v.dim() == 4 and q.shape[3] % 16 == 0 and v.shape[3] % 16 == 0 \
+            and k.shape[0] == v.shape[0] == q.shape[0] and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0 \
+            and k.shape[3] == q.shape[3] and v.shape[2] == length \
+            and tuple(out.shape) == (q.shape[0], q.shape[1], s, v.shape[3]):
+        # Prefill: the scores and the output as small GEMMs on the GEMM's register tile.
+        bb, hq, _, d = q.shape
+        hkv, dv = k.shape[1], v.shape[3]
+        ws = ls.scratch(lib.npuc_attention_gemm_scratch_floats(bb, hkv, d, length, dv, ls.threads))
+        return _checked_call(functools.partial(lib.npuc_attention_gemm, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                               p.data_ptr(), out.data_ptr(), bb, hq, s, d, hkv, length, dv,
+                                               b.attrs["scale"], ws.data_ptr(), ls.threads), b)
     return _native_cached_attention(Bound(b.opdef, b.attrs, [q, k, v, p], b.outs, b.ws), lib, ls)
 
 

@@ -452,6 +452,29 @@ def test_fused_attention(lib: Any, causal: bool, s: int, length: int, hq: int, h
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s, length, hq, hkv, d, dv", [(128, 128, 12, 4, 64, 64), (37, 37, 2, 1, 80, 16),
+                                                       (9, 5, 4, 2, 16, 48), (20, 200, 3, 3, 32, 32)])
+def test_attention_as_gemms(lib: Any, causal: bool, s: int, length: int, hq: int, hkv: int, d: int, dv: int
+                            ) -> None:
+    """Prefill's f32 attention on the GEMM tile (npuc_attention_gemm), called directly: query
+    blocks that do not fill the tile, keys that do not fill a 16-wide panel, grouped-query
+    heads, and torch's top-left causal alignment when S != L."""
+    q = torch.randn(2, hq, s, d)
+    k, v = torch.randn(2, hkv, length, d), torch.randn(2, hkv, length, dv)
+    attrs = {"scale": d ** -0.5, "causal": causal}
+    want = _ref("fused_attention", [q, k, v], attrs)
+    pos = torch.tensor([min(i, length - 1) for i in range(s)] if causal else [length - 1] * s, dtype=torch.int64)
+    out = torch.full((2, hq, s, dv), float("nan"))
+    ws = torch.full((lib.npuc_attention_gemm_scratch_floats(2, hkv, d, length, dv, 2),), float("nan"))
+    assert lib.npuc_attention_gemm(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), out.data_ptr(), 2, hq,
+                                   s, d, hkv, length, dv, attrs["scale"], ws.data_ptr(), 2) == 0
+    _close(out, want)
+    bad = torch.tensor([length] * s, dtype=torch.int64)  # a position past the keys: refused, nothing read
+    assert lib.npuc_attention_gemm(q.data_ptr(), k.data_ptr(), v.data_ptr(), bad.data_ptr(), out.data_ptr(), 2, hq,
+                                   s, d, hkv, length, dv, 1.0, ws.data_ptr(), 2) == 1
+
+
 def test_masked_fused_attention_is_torchs(lib: Any) -> None:
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     mask = torch.zeros(4, 4)

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("npuc")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-ABI = 7
+ABI = 8
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno")
 _LIBS = ("-lm", "-lpthread")
 # Tried in order: the host's ISA, then without -march (an old or cross compiler: the plain C paths).
@@ -97,6 +97,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npuc_gather_rows.argtypes = [PTR, I64, I64, PTR, I64, PTR]
     lib.npuc_pad_rows.argtypes = [PTR, PTR, I64, I64, I64, I64, I64, I64, I64]
     lib.npuc_dequantize.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, PTR, INT]
+    lib.npuc_attention_gemm_scratch_floats.argtypes = [I64, I64, I64, I64, I64, INT]
+    lib.npuc_attention_gemm_scratch_floats.restype = I64
+    lib.npuc_attention_gemm.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, I64, I64, FLOAT, PTR, INT]
     lib.npuc_gemm_packed_floats.argtypes = [I64, I64]
     lib.npuc_gemm_packed_floats.restype = I64
     lib.npuc_gemm_scratch_floats.argtypes = [I64, I64, I64, INT]
@@ -113,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                        INT]
     for name in ("npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32", "npuc_rope_f32", "npuc_kv_write",
                  "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast", "npuc_gemm_pack_b",
-                 "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm", "npuc_permute", "npuc_gather_rows", "npuc_pad_rows", "npuc_dequantize"):
+                 "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm", "npuc_permute", "npuc_gather_rows", "npuc_pad_rows", "npuc_dequantize", "npuc_attention_gemm"):
         getattr(lib, name).restype = INT
     return lib
 

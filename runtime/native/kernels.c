@@ -1185,6 +1185,89 @@ int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc
     return 0;
 }
 
+/* ---- prefill attention as small GEMMs ---------------------------------------------------------
+ * Many queries (prefill): per (batch, query head, block of GEMM_MR queries), the scores are a
+ * GEMM_MR x n product of the block's q rows with K^T, and the output the product of the
+ * softmax rows with V, both on the GEMM's register tile (gemm_tile), where the per-query
+ * kernel above does a dot product per key and a row update per value. K^T and V are packed
+ * once per call into 16-wide panels (K^T: [key panel][d][16 keys]; V: [column panel][row][16
+ * columns]), shared by the query heads of a KV head. f32 q, k, v and out; D and DV multiples
+ * of 16. Query i attends keys 0..pos[i] (< L, checked by the caller). Scratch:
+ * npuc_attention_gemm_scratch_floats. */
+typedef struct {
+    const float *q, *k, *v; const int64_t *pos; float *out;
+    i64 HQ, S, D, HKV, L, DV, Lp; float scale; float *kt, *vp, *ws; i64 per;
+} fa_job;
+
+static void fa_pack(const void *p, i64 g, int tid) {
+    (void)tid;
+    const fa_job *j = p;
+    i64 L = j->L, D = j->D, DV = j->DV, Lp = j->Lp;
+    float *kt = j->kt + g * Lp * D, *vp = j->vp + g * L * DV;
+    const float *k = j->k + g * L * D, *v = j->v + g * L * DV;
+    for (i64 r = 0; r < Lp; r++)
+        for (i64 d = 0; d < D; d++) kt[(r / 16) * D * 16 + d * 16 + r % 16] = r < L ? k[r * D + d] : 0.0f;
+    for (i64 c0 = 0; c0 < DV; c0 += 16)
+        for (i64 r = 0; r < L; r++) memcpy(vp + c0 * L + r * 16, v + r * DV + c0, 16 * sizeof(float));
+}
+
+static void fa_chunk(const void *p, i64 job, int tid) {
+    const fa_job *j = p;
+    i64 S = j->S, D = j->D, DV = j->DV, Lp = j->Lp, nqb = (S + GEMM_MR - 1) / GEMM_MR;
+    i64 bh = job / nqb, i0 = (job % nqb) * GEMM_MR, g = (bh / j->HQ) * j->HKV + (bh % j->HQ) / (j->HQ / j->HKV);
+    int mr = S - i0 < GEMM_MR ? (int)(S - i0) : GEMM_MR;
+    float *apack = j->ws + (i64)tid * j->per, *sc = apack + D * GEMM_MR, *ppack = sc + GEMM_MR * Lp;
+    i64 n = 0;
+    for (int t = 0; t < mr; t++) if (j->pos[i0 + t] + 1 > n) n = j->pos[i0 + t] + 1;
+    const float *q = j->q + (bh * S + i0) * D;
+    for (i64 d = 0; d < D; d++)
+        for (int t = 0; t < GEMM_MR; t++) apack[d * GEMM_MR + t] = t < mr ? q[t * D + d] : 0.0f;
+    for (i64 kp = 0; kp < (n + 15) / 16; kp++)
+        gemm_tile(D, apack, j->kt + g * Lp * D + kp * D * 16, sc + kp * 16, Lp, 1, NULL, GEMM_MR, 16);
+    for (int t = 0; t < GEMM_MR; t++) {
+        float *row = sc + t * Lp;
+        i64 nt = t < mr ? j->pos[i0 + t] + 1 : 0, r = 0;
+        float mx = -INFINITY, sum = 0.0f;
+        for (i64 c = 0; c < nt; c++) { row[c] *= j->scale; if (row[c] > mx) mx = row[c]; }
+#ifdef NPUC_AVX2
+        __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+        for (; r + 8 <= nt; r += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + r), vm));
+            _mm256_storeu_ps(row + r, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = hsum(vs);
+#endif
+        for (; r < nt; r++) { row[r] = expf(row[r] - mx); sum += row[r]; }
+        float inv = nt ? 1.0f / sum : 0.0f;
+        for (i64 c = 0; c < n; c++) ppack[c * GEMM_MR + t] = c < nt ? row[c] * inv : 0.0f;
+    }
+    float *o = j->out + (bh * S + i0) * DV;
+    for (i64 c0 = 0; c0 < DV; c0 += 16)
+        gemm_tile(n, ppack, j->vp + g * j->L * DV + c0 * j->L, o + c0, DV, 1, NULL, mr, 16);
+}
+
+static i64 fa_per_thread(i64 D, i64 Lp) { return D * GEMM_MR + 2 * GEMM_MR * Lp; }
+
+i64 npuc_attention_gemm_scratch_floats(i64 B, i64 HKV, i64 D, i64 L, i64 DV, int nt) {
+    i64 Lp = (L + 15) / 16 * 16;
+    return B * HKV * (Lp * D + L * DV) + (nt < 1 ? 1 : nt) * fa_per_thread(D, Lp);
+}
+
+int npuc_attention_gemm(const float *q, const float *k, const float *v, const int64_t *pos, float *out, i64 B,
+                        i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, float scale, float *scratch, int nt) {
+    if (D % 16 || DV % 16 || HKV < 1 || HQ % HKV || L < 1) return 1;
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= L) return 1;
+    nt = nt < 1 ? 1 : nt;
+    i64 Lp = (L + 15) / 16 * 16;
+    fa_job j = {q, k, v, pos, out, HQ, S, D, HKV, L, DV, Lp, scale, scratch, scratch + B * HKV * Lp * D,
+                scratch + B * HKV * (Lp * D + L * DV), fa_per_thread(D, Lp)};
+    parallel(fa_pack, &j, B * HKV, threads_for(B * HKV * L * (D + DV) * 4, nt));
+    parallel(fa_chunk, &j, B * HQ * ((S + GEMM_MR - 1) / GEMM_MR), nt);
+    return 0;
+}
+
 /* ---- gather: rows of a table by index (an embedding lookup) --------------------------------- */
 
 /* out[i] = row idx[i] of a table of `rows` rows of `row_bytes` each; an index may count from
@@ -1328,4 +1411,4 @@ int npuc_permute(const void *src, void *dst, i64 es, const int64_t *shape, const
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 7; }
+int npuc_kernels_abi(void) { return 8; }
