@@ -214,8 +214,10 @@ def load_hf_dir(path: Path) -> LoadedModel:
         with contextlib.suppress(AttributeError):
             del config.quantization_config
     archs = getattr(config, "architectures", None) or []
-    auto = transformers.AutoModelForCausalLM if any("CausalLM" in a for a in archs) or not archs \
-        else transformers.AutoModel
+    # A language-model head by either naming (XForCausalLM, GPT-2's GPT2LMHeadModel); a bare
+    # XModel folder builds the base model, whose output is the last hidden state.
+    auto = transformers.AutoModelForCausalLM \
+        if any("CausalLM" in a or a.endswith("LMHeadModel") for a in archs) or not archs else transformers.AutoModel
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

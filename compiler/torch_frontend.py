@@ -387,6 +387,32 @@ def _cat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     return ctx.emit("concat", xs, {"axis": a["dim"] % xs[0].type.rank}, like=node)
 
 
+@converts("aten.stack.default")
+def _stack(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # A new axis of size 1 on each operand, then one concat (interleaved RoPE builds its pairs so).
+    dt = _out_dtype(node)
+    xs = [ctx.cast(ctx.value(t), dt) for t in a["tensors"]]
+    axis = a.get("dim", 0) % (xs[0].type.rank + 1)
+    parts = [ctx.emit("reshape", [x], {"shape": x.type.shape[:axis] + (1,) + x.type.shape[axis:]},
+                      name=f"{node.name}_{i}") for i, x in enumerate(xs)]
+    if len(parts) == 1:
+        return parts[0]
+    return ctx.emit("concat", parts, {"axis": axis}, like=node)
+
+
+@converts("aten.layer_norm.default")
+def _layer_norm(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # Normalised over the trailing len(normalized_shape) axes; no weight: a scale of one.
+    x = ctx.value(a["input"])
+    dt = x.type.dtype
+    w, b = a.get("weight"), a.get("bias")
+    ins = [x, ctx.cast(ctx.value(w), dt) if w is not None else ctx.scalar(1.0, dt)]
+    if b is not None:
+        ins.append(ctx.cast(ctx.value(b), dt))
+    attrs = {"axis": x.type.rank - len(a["normalized_shape"]), "eps": float(a.get("eps", 1e-5))}
+    return ctx.emit("layer_norm", ins, attrs, like=node)
+
+
 @converts("aten.split_with_sizes.default", "aten.split.Tensor")
 def _split(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> list[Value]:
     x = ctx.value(a["self"])

@@ -142,3 +142,35 @@ def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path
         compile_model(str(moe_checkpoint), input_shape="input_ids:1,8", output=str(tmp_path / "moe"))
     assert info.value.code == "NPUC-E0306" and "DeepseekV3MoE" in info.value.message
     assert not (tmp_path / "moe.om").exists()
+
+
+# Families beyond the Llama lineage that LayerNorm (with and without bias) and torch.stack bring in:
+# Phi (partial rotary, parallel attention and MLP, GELU), StableLM, Starcoder2 (non-gated GELU MLP),
+# OPT (learned positions, ReLU) and GPT-2 (Conv1D, a GPT2LMHeadModel folder). Issue 16's coverage
+# matrix grows from here.
+LAYER_NORM_FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2"]
+
+
+@pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
+def test_layer_norm_families_match_hf(family: str, tmp_path: Path) -> None:
+    import inspect
+
+    import transformers as tf
+
+    from npuc.compiler.driver import compile_model
+    from npuc.runtime import Session
+
+    cls = tf.CONFIG_MAPPING[family]
+    params = inspect.signature(cls.__init__).parameters
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256, "ffn_dim": 128,
+             "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 128}
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cls(**{k: v for k, v in sizes.items() if k in params})).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    om = compile_model(str(tmp_path / "hf"), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
+    sess = Session.load(om)
+    assert "layer_norm" in {st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps}
+    ids = np.arange(3, 11, dtype=np.int64).reshape(1, 8)
+    (got,) = sess.run({sess.inputs[0].name: torch.from_numpy(ids)}).values()
+    np.testing.assert_allclose(got.numpy(), hf_logits(tmp_path / "hf", ids), atol=1e-4)

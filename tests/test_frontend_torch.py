@@ -163,3 +163,31 @@ def test_checkpoint_weights_stream_without_loading(hf_checkpoints: dict[str, Pat
     ids = torch.arange(16).reshape(1, 16)
     torch.testing.assert_close(npuc.load(path).run({"input_ids": ids})["logits"], model(ids).logits,
                                atol=1e-4, rtol=0)
+
+
+class Norms(nn.Module):
+    """LayerNorm with a bias, without one, without any affine parameters, over one and two
+    trailing axes; and torch.stack (interleaved rotary embeddings build their pairs so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.ln_nobias = nn.LayerNorm(8, bias=False)
+        self.ln_plain = nn.LayerNorm(8, elementwise_affine=False, eps=1e-3)
+        self.ln_2d = nn.LayerNorm((4, 8))
+        for p in (self.ln.weight, self.ln.bias, self.ln_nobias.weight, self.ln_2d.weight, self.ln_2d.bias):
+            nn.init.normal_(p)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b = x[..., 0::2], x[..., 1::2]
+        pairs = torch.stack((-b, a), dim=-1).flatten(-2)
+        return self.ln(x) + pairs, self.ln_nobias(x), self.ln_plain(x) * 2, self.ln_2d(x), torch.stack([x, x * 3])
+
+
+def test_layer_norm_and_stack(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = Norms().eval()
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1)) * 3 + 1
+    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8", output=str(tmp_path / "n"))).run({"x": x})
+    for got, want in zip(out.values(), m(x), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
