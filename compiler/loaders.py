@@ -233,7 +233,14 @@ def load_hf_dir(path: Path) -> LoadedModel:
         build["experts_implementation"] = "batched_mm"
     try:
         with _parameters_without_memory():
-            module = auto.from_config(config, **build)
+            try:
+                module = auto.from_config(config, **build)
+            except ValueError as e:
+                # A family whose attention transformers runs in eager only (logit soft-capping,
+                # sinks) says so: built eager, as from_pretrained would be.
+                if "attention implementation" not in str(e) and "sdpa" not in str(e).lower():
+                    raise
+                module = auto.from_config(config, **(build | {"attn_implementation": "eager"}))
     except ValueError as e:
         raise NpucError("NPUC-E0306", f"transformers cannot build {archs or config.model_type}: {e}",
                         "check that your transformers version supports this architecture",

@@ -144,15 +144,16 @@ def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path
     assert not (tmp_path / "moe.om").exists()
 
 
-# Families beyond the Llama lineage that LayerNorm (with and without bias) and torch.stack bring in:
-# Phi (partial rotary, parallel attention and MLP, GELU), StableLM, Starcoder2 (non-gated GELU MLP),
-# OPT (learned positions, ReLU) and GPT-2 (Conv1D, a GPT2LMHeadModel folder). Issue 16's coverage
-# matrix grows from here.
-LAYER_NORM_FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2"]
+# Families beyond the Llama lineage: those LayerNorm (with and without bias) and torch.stack bring
+# in, Phi (partial rotary, parallel attention and MLP, GELU), StableLM, Starcoder2 (non-gated GELU
+# MLP), OPT (learned positions, ReLU), GPT-2 (Conv1D, a GPT2LMHeadModel folder) and Cohere; and
+# Gemma 2, whose soft-capped attention transformers builds in eager only. Issue 16's coverage matrix
+# grows from here.
+FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2", "cohere", "gemma2"]
 
 
-@pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
-def test_layer_norm_families_match_hf(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_more_families_match_hf(family: str, tmp_path: Path) -> None:
     import inspect
 
     import transformers as tf
@@ -170,7 +171,10 @@ def test_layer_norm_families_match_hf(family: str, tmp_path: Path) -> None:
     model.save_pretrained(str(tmp_path / "hf"))
     om = compile_model(str(tmp_path / "hf"), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
     sess = Session.load(om)
-    assert "layer_norm" in {st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps}
+    ops = {st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps}
+    # Cohere writes its LayerNorm out in ops (mean, variance, rsqrt): no fusion makes a
+    # layer_norm of that yet, so it runs as those ops; Gemma 2 normalises with RMSNorm.
+    assert ("layer_norm" in ops) == (family not in ("cohere", "gemma2")), ops
     ids = np.arange(3, 11, dtype=np.int64).reshape(1, 8)
     (got,) = sess.run({sess.inputs[0].name: torch.from_numpy(ids)}).values()
     np.testing.assert_allclose(got.numpy(), hf_logits(tmp_path / "hf", ids), atol=1e-4)
