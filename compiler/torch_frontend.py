@@ -509,7 +509,7 @@ def _unary(op: str) -> Converter:
 
 
 for _op in ("neg", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "tanh", "sigmoid", "silu", "relu",
-            "reciprocal", "abs", "erf", "logical_not"):
+            "reciprocal", "abs", "erf", "logical_not", "expm1", "log1p"):
     CONVERTERS[f"aten.{_op}.default"] = _unary(_op)
 CONVERTERS["aten.bitwise_not.default"] = _unary("logical_not")
 
@@ -539,7 +539,7 @@ def _binary(op: str, compare: bool = False) -> Converter:
 for _op, _names in {
     "add": ("add.Tensor", "add.Scalar"), "sub": ("sub.Tensor", "sub.Scalar"), "mul": ("mul.Tensor", "mul.Scalar"),
     "div": ("div.Tensor", "div.Scalar"), "pow": ("pow.Tensor_Scalar", "pow.Tensor_Tensor"),
-    "maximum": ("maximum.default",), "minimum": ("minimum.default",),
+    "maximum": ("maximum.default", "max.other"), "minimum": ("minimum.default", "min.other"),
     "bitwise_and": ("__and__.Tensor", "bitwise_and.Tensor", "logical_and.default"),
     "bitwise_or": ("__or__.Tensor", "bitwise_or.Tensor", "logical_or.default"),
 }.items():
@@ -548,6 +548,95 @@ for _op, _names in {
 for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
     CONVERTERS[f"aten.{_op}.Tensor"] = _binary(_op, compare=True)
     CONVERTERS[f"aten.{_op}.Scalar"] = _binary(_op, compare=True)
+
+
+@converts("aten.square.default")
+def _square(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    x = ctx.cast(ctx.value(a["self"]), _out_dtype(node))
+    return ctx.emit("mul", [x, x], like=node)
+
+
+@converts("aten.pow.Scalar")
+def _pow_scalar_base(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    dt = _out_dtype(node)
+    return ctx.emit("pow", [ctx.scalar(a["self"], dt), ctx.operand(a["exponent"], dt)], like=node)
+
+
+@converts("aten.clamp.default")
+def _clamp(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    dt = _out_dtype(node)
+    y = ctx.cast(ctx.value(a["self"]), dt)
+    lo, hi = a.get("min"), a.get("max")
+    if lo is not None:
+        y = ctx.emit("maximum", [y, ctx.scalar(lo, dt)], name=f"{node.name}_min", like=None if hi is not None else node)
+    if hi is not None:
+        y = ctx.emit("minimum", [y, ctx.scalar(hi, dt)], like=node)
+    return y
+
+
+@converts("aten.softplus.default")
+def _softplus(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # softplus(beta x) / beta, linear above threshold / beta; the registry's softplus is torch's
+    # default threshold (20), so the scaled form reuses it exactly.
+    beta, threshold = a.get("beta", 1), a.get("threshold", 20)
+    if threshold != 20:
+        raise NpucError("NPUC-E0304", f"{node.name}: softplus with threshold {threshold}",
+                        "only torch's default threshold (20) is supported", exit_code=EXIT_UNSUPPORTED)
+    dt = _out_dtype(node)
+    x = ctx.cast(ctx.value(a["self"]), dt)
+    if beta == 1:
+        return ctx.emit("softplus", [x], like=node)
+    y = ctx.emit("softplus", [ctx.emit("mul", [x, ctx.scalar(beta, dt)], name=f"{node.name}_beta")],
+                 name=f"{node.name}_sp")
+    return ctx.emit("div", [y, ctx.scalar(beta, dt)], like=node)
+
+
+@converts("aten.rms_norm.default")
+def _rms_norm_aten(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    x = ctx.value(a["input"])
+    dt = x.type.dtype
+    w = a.get("weight")
+    eps = a.get("eps")
+    eps = float(torch.finfo(dt.torch).eps) if eps is None else float(eps)  # torch's default
+    scale = ctx.cast(ctx.value(w), dt) if w is not None else ctx.scalar(1.0, dt)
+    return ctx.emit("rms_norm", [x, scale], {"axis": x.type.rank - len(a["normalized_shape"]), "eps": eps},
+                    like=node)
+
+
+@converts("aten.repeat.default")
+def _repeat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # x.repeat(r): each axis d becomes [r, d] (an expand of a new axis), then merged.
+    x = ctx.value(a["self"])
+    reps = list(a["repeats"])
+    shape = (1,) * (len(reps) - x.type.rank) + x.type.shape
+    inter = tuple(v for d in shape for v in (1, d))
+    big = tuple(v for r, d in zip(reps, shape, strict=True) for v in (r, d))
+    y = ctx.emit("reshape", [x], {"shape": inter}, name=f"{node.name}_axes")
+    y = ctx.emit("expand", [y], {"shape": big}, name=f"{node.name}_expand")
+    return ctx.emit("reshape", [y], {"shape": tuple(r * d for r, d in zip(reps, shape, strict=True))}, like=node)
+
+
+@converts("aten.index_select.default")
+def _index_select(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    x = ctx.value(a["self"])
+    return ctx.emit("gather", [x, ctx.value(a["index"])], {"axis": a["dim"] % x.type.rank}, like=node)
+
+
+@converts("aten.baddbmm.default")
+def _baddbmm(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # beta * self + alpha * (batch1 @ batch2)
+    dt = _out_dtype(node)
+    y = ctx.emit("matmul", [ctx.cast(ctx.value(a["batch1"]), dt), ctx.cast(ctx.value(a["batch2"]), dt)],
+                 name=f"{node.name}_mm")
+    if a.get("alpha", 1) != 1:
+        y = ctx.emit("mul", [y, ctx.scalar(a["alpha"], dt)], name=f"{node.name}_alpha")
+    beta = a.get("beta", 1)
+    if beta == 0:  # torch ignores self then (even its NaNs)
+        return ctx.emit("reshape", [y], {"shape": y.type.shape}, like=node)
+    s = ctx.cast(ctx.value(a["self"]), dt)
+    if beta != 1:
+        s = ctx.emit("mul", [s, ctx.scalar(beta, dt)], name=f"{node.name}_beta")
+    return ctx.emit("add", [s, y], like=node)
 
 
 @converts("aten.rsub.Scalar")

@@ -67,6 +67,7 @@ _FLOAT_UNARY = {
     "tan": torch.tan, "sinh": torch.sinh, "cosh": torch.cosh, "asin": torch.asin, "acos": torch.acos,
     "atan": torch.atan, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
     "softplus": F.softplus, "softsign": F.softsign, "mish": F.mish, "hardswish": F.hardswish,
+    "expm1": torch.expm1, "log1p": torch.log1p,
 }
 _NUMERIC_UNARY = {"neg": torch.neg, "relu": torch.relu, "abs": torch.abs, "sign": torch.sign}
 

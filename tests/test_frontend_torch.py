@@ -191,3 +191,34 @@ def test_layer_norm_and_stack(tmp_path: Path) -> None:
     out = npuc.load(npuc.compile(m, input_shape="x:2,4,8", output=str(tmp_path / "n"))).run({"x": x})
     for got, want in zip(out.values(), m(x), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class MoreOps(nn.Module):
+    """Element-wise and shape ops that more HF families use: square, clamp, max/min against a
+    tensor, softplus (beta 1 and 2), expm1, log1p, a scalar base to a tensor power, rms_norm
+    (aten's, with and without a weight), repeat, index_select and baddbmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(8, eps=1e-6)
+        nn.init.normal_(self.norm.weight)
+
+    def forward(self, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        idx = torch.tensor([3, 0, 3])
+        return (torch.square(x) + x.clamp(min=-0.5) - x.clamp(-1, 1) + x.clamp(max=0.25),
+                torch.max(x, b) - torch.min(x, b),
+                nn.functional.softplus(x) + nn.functional.softplus(x, beta=2.0) + torch.expm1(x) + torch.log1p(x.abs()),
+                torch.pow(2.0, x),
+                self.norm(x) + nn.functional.rms_norm(x, (8,)),
+                x.repeat(2, 1, 3), x.index_select(1, idx),
+                torch.baddbmm(b[..., :4], x, b.transpose(1, 2)[..., :4], beta=0.5, alpha=2.0))
+
+
+def test_more_ops_match_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = MoreOps().eval()
+    g = torch.Generator().manual_seed(2)
+    x, b = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8;b:2,4,8", output=str(tmp_path / "o"))).run({"x": x, "b": b})
+    for got, want in zip(out.values(), m(x, b), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -65,7 +65,8 @@ def tensor(arg: Arg, gen: torch.Generator) -> torch.Tensor:
 
 _FLOAT_UNARY = ["neg", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "tanh", "sigmoid", "silu", "relu",
                 "reciprocal", "abs", "erf", "floor", "ceil", "round", "sign", "tan", "sinh", "cosh", "asin",
-                "acos", "atan", "asinh", "acosh", "atanh", "softplus", "softsign", "mish", "hardswish"]
+                "acos", "atan", "asinh", "acosh", "atanh", "softplus", "softsign", "mish", "hardswish",
+                "expm1", "log1p"]
 _ARITH = ["add", "sub", "mul", "div", "pow", "maximum", "minimum"]
 _COMPARE = ["eq", "ne", "lt", "le", "gt", "ge"]
 
