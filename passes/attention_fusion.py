@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npuc.ir import DType, Value
+from npuc.ir import DType, Value, get_op
 from npuc.ir.ops import ShapeError, broadcast
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, op, opt, var
 
@@ -89,9 +89,24 @@ def causal_mask(mask: Value, q_len: int, k_len: int) -> bool:
     return bool((t[..., allowed] == 0).all() and (t[..., ~allowed] <= -1e4).all())
 
 
+def _kv(q: Value, k: Value, v: Value) -> tuple[Value, Value] | str:
+    """k and v as fused_attention takes them: repeat_kv undone on both where that leaves them
+    the same heads (grouped-query attention), else as the product saw them (a model that
+    builds v's heads some other way, DiffLlama's, keeps its repeated k); or why they do not fit."""
+    ks, vs = strip_repeat_kv(k), strip_repeat_kv(v)
+    if ks.type.rank == vs.type.rank == 4 and ks.type.shape[1] != vs.type.shape[1]:
+        ks, vs = k, v
+    try:
+        get_op("fused_attention").infer_types([q.type, ks.type, vs.type], {"scale": 1.0})
+    except ShapeError as e:
+        return f"q, k and v do not fit one attention: {e}"
+    return ks, vs
+
+
 def _build(b: Builder, q: Value, k: Value, v: Value, mask: Value | None, scale: float,
            causal: bool = False) -> Value:
-    k, v = strip_repeat_kv(k), strip_repeat_kv(v)
+    kv = _kv(q, k, v)  # the checks refused what does not fit, so this is the fitting pair
+    k, v = kv if not isinstance(kv, str) else (strip_repeat_kv(k), strip_repeat_kv(v))
     mask_is_causal = mask is not None and causal_mask(mask, q.type.shape[2], k.type.shape[2])
     ins = [q, k, v] + ([mask] if mask is not None and not mask_is_causal else [])
     return b.op("fused_attention", ins, {"scale": scale, "causal": causal or mask_is_causal})
@@ -114,7 +129,11 @@ def _mask_ok(m: Match, q: Value, k: Value) -> str | None:
 # -- from sdpa ------------------------------------------------------------------------------
 
 def _sdpa_check(m: Match) -> str | None:
-    return _mask_ok(m, m["q"], m["k"])
+    bad = _mask_ok(m, m["q"], m["k"])
+    if bad is None and m["q"].type.rank == 4:
+        kv = _kv(m["q"], m["k"], m["v"])
+        bad = kv if isinstance(kv, str) else None
+    return bad
 
 
 def _sdpa_rewrite(b: Builder, m: Match) -> Value:
@@ -184,6 +203,9 @@ def _decomposed_check(m: Match) -> str | None:
     mask = m.values.get("mask")
     if q.type.rank != 4:
         return "attention operands are not 4-D [batch, heads, seq, dim]"
+    kv = _kv(q, k, m["v"]) if k.type.rank == 4 else None  # a 3-D key is viewed 4-D only when built
+    if isinstance(kv, str):
+        return kv
     scores = m["qk"].type.shape
     if mask is not None:
         try:

@@ -149,10 +149,11 @@ def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path
 # MLP), OPT (learned positions, ReLU), GPT-2 (Conv1D, a GPT2LMHeadModel folder), Cohere, BLOOM
 # (ALiBi, baddbmm), MPT, XGLM, Persimmon and Nemotron; Gemma 2, whose soft-capped attention
 # transformers builds in eager only; and those more element-wise ops bring in: Arcee and Nemotron
-# (square), BitNet, Apertus (softplus, expm1), Doge, gpt-oss (clamp; attention sinks, MoE).
+# (square), BitNet, Apertus (softplus, expm1), Doge, gpt-oss (clamp; attention sinks, MoE); and
+# DiffLlama, whose values have other heads than its keys (attention fusion keeps its repeated keys).
 # Issue 16's coverage matrix grows from here.
 FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2", "cohere", "gemma2", "bloom", "mpt", "xglm",
-            "persimmon", "nemotron", "arcee", "bitnet", "apertus", "doge", "gpt_oss"]
+            "persimmon", "nemotron", "arcee", "bitnet", "apertus", "doge", "gpt_oss", "diffllama"]
 LAYER_NORM = {"phi", "stablelm", "starcoder2", "opt", "gpt2", "bloom", "mpt", "xglm", "persimmon", "nemotron"}
 
 
