@@ -11,9 +11,11 @@ becomes a `QuantizedWeight` over its packed tensors (compiler/quant_import.py).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,18 +85,59 @@ class StackedExpertsSource:
 _EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def _experts_source(name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                    index: dict[str, Any]) -> StackedExpertsSource | None:
+def _experts_source(name: str, shape: tuple[int, ...], dtype: torch.dtype, index: dict[str, Any],
+                    stored: Callable[[str], str | None] = lambda k: k,
+                    expert_parts: Mapping[str, tuple[str, ...]] = _EXPERT_PARTS) -> StackedExpertsSource | None:
     prefix, _, leaf = name.rpartition(".")
-    if not prefix.endswith("experts") or leaf not in _EXPERT_PARTS or len(shape) != 3:
+    if not prefix.endswith("experts") or leaf not in expert_parts or len(shape) != 3:
         return None
     parts = []
-    for part in _EXPERT_PARTS[leaf]:
-        keys = [f"{prefix}.{e}.{part}.weight" for e in range(shape[0])]
-        if not all(k in index for k in keys):
+    for part in expert_parts[leaf]:
+        keys = [stored(f"{prefix}.{e}.{part}.weight") for e in range(shape[0])]
+        if not all(k is not None and k in index for k in keys):
             return None
-        parts.append([SafetensorsSource(index[k][0], k, dtype, index[k][1]) for k in keys])
+        parts.append([SafetensorsSource(index[k][0], k, dtype, index[k][1]) for k in keys if k is not None])
     return StackedExpertsSource(parts)
+
+
+def _checkpoint_conversions(transformers: Any, module: nn.Module, keys: Iterable[str]
+                            ) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """How transformers' from_pretrained maps this checkpoint's names onto the module (5.x:
+    `transformers.conversion_mapping`), lazily: (module name -> stored name for every stored
+    key a renaming changes, fused experts parameter -> the per-expert parts it stacks and
+    concatenates). Other conversions are not applied (their weights are reported missing);
+    a transformers without the mapping renames nothing."""
+    try:
+        get = importlib.import_module(f"{transformers.__name__}.conversion_mapping").get_model_conversion_mapping
+    except (ImportError, AttributeError):
+        return {}, {}
+    try:
+        transforms = list(get(module))
+    except Exception:  # noqa: BLE001 - a version whose mapping cannot be had: nothing to rename
+        return {}, {}
+    renames: list[tuple[str, str]] = []
+    parts: dict[str, tuple[str, ...]] = {}
+    for t in transforms:
+        src, tgt = list(getattr(t, "source_patterns", [])), list(getattr(t, "target_patterns", []))
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(t, "operations", None) or []]
+        if type(t).__name__ == "WeightRenaming" and tgt and len(tgt) in (1, len(src)):
+            renames += [(s, tgt[0] if len(tgt) == 1 else tgt[i]) for i, s in enumerate(src)]
+        elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) and len(tgt) == 1:
+            leaf = re.fullmatch(r"\.experts\.(\w+)", tgt[0])
+            names = [re.fullmatch(r"\.experts\.\*\.(\w+)\.weight", x) for x in src]
+            if leaf and all(names) and (len(src) == 1) == (len(ops) == 1):
+                parts[leaf.group(1)] = tuple(m.group(1) for m in names if m)
+    alias = {}
+    for key in keys:
+        name = key
+        for pattern, target in renames:
+            try:
+                name = re.sub(pattern, target, name)
+            except re.error:
+                continue
+        if name != key:
+            alias[name] = key
+    return alias, parts
 
 
 @dataclass
@@ -262,15 +305,21 @@ def load_hf_dir(path: Path) -> LoadedModel:
         params[id(p)] = p
     sources: dict[str, ConstSource] = {}
     missing = []
+    alias, converted = _checkpoint_conversions(transformers, module, index)
+
+    def stored(name: str) -> str | None:
+        """The checkpoint's name for module tensor `name`: its own, or the one transformers renames to it."""
+        return name if name in index else alias.get(name)
+
     for pid, names in owners.items():
         p = params[pid]
-        key = next((n for n in names if n in index), None)
+        key = next((k for k in map(stored, names) if k is not None), None)
         src: ConstSource | None = None
         if key is not None:
             file, layout = index[key]
             src = SafetensorsSource(file, key, p.dtype, layout)
         else:
-            src = _experts_source(names[0], tuple(p.shape), p.dtype, index)
+            src = _experts_source(names[0], tuple(p.shape), p.dtype, index, stored, {**_EXPERT_PARTS, **converted})
             if src is None and quant is not None:
                 src = quant.weight(names[0], tuple(p.shape), p.dtype, index)
         if src is None:

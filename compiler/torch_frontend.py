@@ -377,7 +377,7 @@ def _copy(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     return src
 
 
-@converts("aten.cat.default")
+@converts("aten.cat.default", "aten.concat.default")
 def _cat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     dt = _out_dtype(node)
     xs = [ctx.cast(ctx.value(t), dt) for t in a["tensors"]]
@@ -562,15 +562,17 @@ def _pow_scalar_base(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value
     return ctx.emit("pow", [ctx.scalar(a["self"], dt), ctx.operand(a["exponent"], dt)], like=node)
 
 
-@converts("aten.clamp.default")
+@converts("aten.clamp.default", "aten.clamp.Tensor")
 def _clamp(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
+    # Bounds that are numbers or tensors (broadcast); torch applies min, then max.
     dt = _out_dtype(node)
     y = ctx.cast(ctx.value(a["self"]), dt)
     lo, hi = a.get("min"), a.get("max")
     if lo is not None:
-        y = ctx.emit("maximum", [y, ctx.scalar(lo, dt)], name=f"{node.name}_min", like=None if hi is not None else node)
+        y = ctx.emit("maximum", [y, ctx.operand(lo, dt)], name=f"{node.name}_min",
+                     like=None if hi is not None else node)
     if hi is not None:
-        y = ctx.emit("minimum", [y, ctx.scalar(hi, dt)], like=node)
+        y = ctx.emit("minimum", [y, ctx.operand(hi, dt)], like=node)
     return y
 
 

@@ -150,11 +150,15 @@ def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path
 # (ALiBi, baddbmm), MPT, XGLM, Persimmon and Nemotron; Gemma 2, whose soft-capped attention
 # transformers builds in eager only; and those more element-wise ops bring in: Arcee and Nemotron
 # (square), BitNet, Apertus (softplus, expm1), Doge, gpt-oss (clamp; attention sinks, MoE); and
-# DiffLlama, whose values have other heads than its keys (attention fusion keeps its repeated keys).
+# DiffLlama, whose values have other heads than its keys (attention fusion keeps its repeated keys);
+# and those whose stored names transformers converts on load: GPT-NeoX (embed_out -> lm_head),
+# Mixtral, GraniteMoE and PhiMoE (per-expert w1/w2/w3 -> fused experts).
 # Issue 16's coverage matrix grows from here.
 FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2", "cohere", "gemma2", "bloom", "mpt", "xglm",
-            "persimmon", "nemotron", "arcee", "bitnet", "apertus", "doge", "gpt_oss", "diffllama"]
-LAYER_NORM = {"phi", "stablelm", "starcoder2", "opt", "gpt2", "bloom", "mpt", "xglm", "persimmon", "nemotron"}
+            "persimmon", "nemotron", "arcee", "bitnet", "apertus", "doge", "gpt_oss", "diffllama", "gpt_neox",
+            "mixtral", "granitemoe", "phimoe"]
+LAYER_NORM = {"phi", "stablelm", "starcoder2", "opt", "gpt2", "bloom", "mpt", "xglm", "persimmon", "nemotron",
+              "gpt_neox"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

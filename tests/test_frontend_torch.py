@@ -194,7 +194,8 @@ def test_layer_norm_and_stack(tmp_path: Path) -> None:
 
 
 class MoreOps(nn.Module):
-    """Element-wise and shape ops that more HF families use: square, clamp, max/min against a
+    """Element-wise and shape ops that more HF families use: square, clamp (number and tensor
+    bounds), max/min against a
     tensor, softplus (beta 1 and 2), expm1, log1p, a scalar base to a tensor power, rms_norm
     (aten's, with and without a weight), repeat, index_select and baddbmm."""
 
@@ -205,7 +206,7 @@ class MoreOps(nn.Module):
 
     def forward(self, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         idx = torch.tensor([3, 0, 3])
-        return (torch.square(x) + x.clamp(min=-0.5) - x.clamp(-1, 1) + x.clamp(max=0.25),
+        return (torch.square(x) + x.clamp(min=-0.5) - x.clamp(-1, 1) + x.clamp(max=0.25) + x.clamp(b, b + 1),
                 torch.max(x, b) - torch.min(x, b),
                 nn.functional.softplus(x) + nn.functional.softplus(x, beta=2.0) + torch.expm1(x) + torch.log1p(x.abs()),
                 torch.pow(2.0, x),
