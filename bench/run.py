@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llamacpp-python", default=os.environ.get("NPUC_BENCH_LLAMACPP_PYTHON"),
                     help="a python that has llama-cpp-python and gguf (bench/setup_llamacpp.sh)")
     ap.add_argument("--executorch-python", default=os.environ.get("NPUC_BENCH_EXECUTORCH_PYTHON"),
-                    help="a python that has executorch (its requirements clash with npuc's; see bench/README)")
+                    help="a python that has executorch (its requirements clash with npuc's; bench/setup_executorch.sh makes one)")
     ap.add_argument("--skip-scale", action="store_true", help="leave out compile at scale")
     ap.add_argument("--render", metavar="JSON", default=None,
                     help="only re-render the report (and plot) from a run's JSON, next to it")

@@ -174,9 +174,13 @@ def test_more_families_match_hf(family: str, tmp_path: Path) -> None:
     params = inspect.signature(cls.__init__).parameters
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256, "ffn_dim": 128,
-             "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 128}
+             "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 128,
+             "d_model": 64, "n_heads": 4, "n_layers": 2, "expansion_ratio": 2, "max_seq_len": 256, "num_layers": 2,
+             "attention_heads": 4}
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cls(**{k: v for k, v in sizes.items() if k in params})).eval()
+    # Tiny, whatever the family calls its sizes (a config default left in would be a real model's).
+    assert sum(p.numel() for p in model.parameters()) < 10_000_000
     model.save_pretrained(str(tmp_path / "hf"))
     om = compile_model(str(tmp_path / "hf"), input_shape="input_ids:1,8", output=str(tmp_path / "m"))
     sess = Session.load(om)

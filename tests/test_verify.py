@@ -125,7 +125,11 @@ def test_inputs_dir_is_used(llama_om: Path, hf_checkpoints: dict[str, Path], tmp
     with torch.no_grad():
         ref = model(torch.from_numpy(ids), use_cache=False).logits
     assert r.outputs[0].max_abs == float((got.double() - ref.double()).abs().max())
-    assert r.outputs[0].max_abs != verify(str(llama_om), str(hf_checkpoints["llama"])).outputs[0].max_abs
+    # The default inputs give other errors: all three statistics at once (one alone, max_abs, can
+    # coincide: errors this small are a few ulps, and two inputs hit the same one).
+    default = verify(str(llama_om), str(hf_checkpoints["llama"])).outputs[0]
+    stats = (r.outputs[0].max_abs, r.outputs[0].max_rel, r.outputs[0].cosine)
+    assert stats != (default.max_abs, default.max_rel, default.cosine)
 
 
 def test_inputs_dir_errors(llama_om: Path, hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
