@@ -156,7 +156,10 @@ def test_a_transformers_without_an_experts_choice(hf_checkpoints: dict[str, Path
 # Issue 16's coverage matrix grows from here.
 FAMILIES = ["phi", "stablelm", "starcoder2", "opt", "gpt2", "cohere", "gemma2", "bloom", "mpt", "xglm",
             "persimmon", "nemotron", "arcee", "bitnet", "apertus", "doge", "gpt_oss", "diffllama", "gpt_neox",
-            "mixtral", "granitemoe", "phimoe"]
+            "mixtral", "granitemoe", "phimoe",
+            # and more that need nothing beyond the above at these sizes:
+            "qwen3", "gemma", "gemma3_text", "vaultgemma", "olmo", "olmo2", "olmo3", "olmoe", "granite", "cohere2",
+            "ernie4_5", "exaone4", "gpt_bigcode", "internlm3", "lfm2", "seed_oss", "openai-gpt", "biogpt", "ctrl"]
 LAYER_NORM = {"phi", "stablelm", "starcoder2", "opt", "gpt2", "bloom", "mpt", "xglm", "persimmon", "nemotron",
               "gpt_neox"}
 
