@@ -122,6 +122,20 @@ def _generate(p: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(ask(p))
 
 
+def stop_workers(procs: Any, timeout: float) -> None:
+    """Close each worker's input (its loop ends) and wait for it."""
+    for p in procs:
+        if p.stdin is not None:
+            p.stdin.close()
+        p.wait(timeout)
+
+
+def median_quartiles(xs: list[float]) -> dict[str, float]:
+    """Median and quartiles (one value: itself for all three)."""
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2]}
+
+
 def _pct(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(round(q / 100 * (len(ys) - 1))))]
@@ -144,10 +158,7 @@ def interleaved(systems: dict[str, tuple[str, list[str], str | None]], ids: list
             for n in (order if r % 2 == 0 else order[::-1]):
                 gens[n].append(_generate(procs[n]))
     finally:
-        for p in procs.values():
-            if p.stdin is not None:
-                p.stdin.close()
-            p.wait(60)
+        stop_workers(procs.values(), 60)
     out: dict[str, Any] = {"rounds": rounds, "order": "rotating, reversed on odd rounds", "systems": {}}
     for n in names:
         tps = [len(g["steps"]) / sum(g["steps"]) for g in gens[n]]
@@ -164,9 +175,7 @@ def interleaved(systems: dict[str, tuple[str, list[str], str | None]], ids: list
 def ratio(turns: dict[str, Any], a: str, b: str) -> dict[str, float]:
     """Per-round ratio of a's tokens/s to b's: median and quartiles."""
     ta, tb = turns["systems"][a]["tok_per_s_rounds"], turns["systems"][b]["tok_per_s_rounds"]
-    rs = sorted(x / y for x, y in zip(ta, tb, strict=True))
-    q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0]] * 3
-    return {"median": statistics.median(rs), "q1": q[0], "q3": q[2]}
+    return median_quartiles([x / y for x, y in zip(ta, tb, strict=True)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,15 +71,11 @@ def interleaved(om: str, ort_prefill: str, ort_decode: str, ids: list[int], thre
             for name in (("npuc", "ort") if r % 2 == 0 else ("ort", "npuc")):
                 times[name].append(_time(procs[name]))
     finally:
-        for p in procs.values():
-            if p.stdin is not None:
-                p.stdin.close()
-            p.wait(30)
-    ratios = sorted(a / b for a, b in zip(times["npuc"], times["ort"], strict=True))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+        decode_ab.stop_workers(procs.values(), 30)
+    r = decode_ab.median_quartiles([a / b for a, b in zip(times["npuc"], times["ort"], strict=True)])
     return {"rounds": rounds, "npuc_ms": 1e3 * statistics.median(times["npuc"]),
-            "ort_ms": 1e3 * statistics.median(times["ort"]), "ratio": statistics.median(ratios),
-            "ratio_q1": q[0], "ratio_q3": q[2],
+            "ort_ms": 1e3 * statistics.median(times["ort"]), "ratio": r["median"],
+            "ratio_q1": r["q1"], "ratio_q3": r["q3"],
             "npuc_runs_ms": [round(1e3 * t, 1) for t in times["npuc"]],
             "ort_runs_ms": [round(1e3 * t, 1) for t in times["ort"]]}
 

@@ -1088,6 +1088,23 @@ static void values64(const float *sc, float inv, const void *vc, int cbf, i64 ro
 }
 #endif
 
+/* sc[r] = exp(sc[r] - mx) for r < n, in place; their sum (softmax's numerator and denominator). */
+static float exp_sum(float *sc, i64 n, float mx) {
+    float sum = 0;
+    i64 r = 0;
+#ifdef NPUC_AVX2
+    __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+    for (; r + 8 <= n; r += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm));
+        _mm256_storeu_ps(sc + r, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum(vs);
+#endif
+    for (; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
+    return sum;
+}
+
 typedef struct {
     const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; void *out; int obf;
     i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
@@ -1129,18 +1146,7 @@ static void attention_chunk(const void *p, i64 job, int tid) {
         sc[r] = s * j->scale;
         if (sc[r] > mx) mx = sc[r];
     }
-    float sum = 0;
-    i64 r0 = 0;
-#ifdef NPUC_AVX2
-    __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-    for (; r0 + 8 <= n; r0 += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + r0), vm));
-        _mm256_storeu_ps(sc + r0, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    sum = hsum(vs);
-#endif
-    for (i64 r = r0; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
+    float sum = exp_sum(sc, n, mx);
     for (i64 k = 0; k < DV; k++) acc[k] = 0;
     float inv = 1.0f / sum;
     i64 v4 = 0;
@@ -1226,19 +1232,10 @@ static void fa_chunk(const void *p, i64 job, int tid) {
         gemm_tile(D, apack, j->kt + g * Lp * D + kp * D * 16, sc + kp * 16, Lp, 1, NULL, GEMM_MR, 16);
     for (int t = 0; t < GEMM_MR; t++) {
         float *row = sc + t * Lp;
-        i64 nt = t < mr ? j->pos[i0 + t] + 1 : 0, r = 0;
-        float mx = -INFINITY, sum = 0.0f;
+        i64 nt = t < mr ? j->pos[i0 + t] + 1 : 0;
+        float mx = -INFINITY;
         for (i64 c = 0; c < nt; c++) { row[c] *= j->scale; if (row[c] > mx) mx = row[c]; }
-#ifdef NPUC_AVX2
-        __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-        for (; r + 8 <= nt; r += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + r), vm));
-            _mm256_storeu_ps(row + r, e);
-            vs = _mm256_add_ps(vs, e);
-        }
-        sum = hsum(vs);
-#endif
-        for (; r < nt; r++) { row[r] = expf(row[r] - mx); sum += row[r]; }
+        float sum = exp_sum(row, nt, mx);
         float inv = nt ? 1.0f / sum : 0.0f;
         for (i64 c = 0; c < n; c++) ppack[c * GEMM_MR + t] = c < nt ? row[c] * inv : 0.0f;
     }
