@@ -10,6 +10,7 @@
     npuc validate build/model.om             # checksums, bounds, memory plan
     npuc export-onnx build/model.om model.onnx   # --program decode, --weights external
     npuc check MODEL --input_shape ...       # precheck: every problem, no .om
+    npuc ops                                 # the supported operators (docs/ops.md)
     npuc verify build/model.om --against MODEL [--per-layer]
 
 A user mistake prints one line (`error NPUC-E####: ...`) and a hint, and exits
@@ -29,6 +30,7 @@ import click
 import npuc
 from npuc.cli.compile_cmd import check_cmd, compile_cmd
 from npuc.cli.diagnostics import handle_errors, report, setup
+from npuc.cli.ops_cmd import ops_cmd
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 
 
@@ -65,6 +67,7 @@ def main() -> None:
 
 main.add_command(compile_cmd)
 main.add_command(check_cmd)
+main.add_command(ops_cmd)
 
 
 @main.command()

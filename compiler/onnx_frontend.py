@@ -196,7 +196,7 @@ class _Ctx:
         return f"{n.op_type} node {n.name or n.output[0]!r}" if n is not None else "the graph"
 
     def unsupported(self, what: str) -> NpucError:
-        return NpucError("NPUC-E0304", f"{self.where}: {what} is not supported", "see docs/ops.md",
+        return NpucError("NPUC-E0304", f"{self.where}: {what} is not supported", "`npuc ops` lists what is (docs/ops.md)",
                          exit_code=EXIT_UNSUPPORTED)
 
     def emit(self, op: str, inputs: Sequence[Value], attrs: dict[str, Any] | None = None,
@@ -261,7 +261,7 @@ def check_supported(model: OnnxModel) -> None:
     if bad:
         listing = ", ".join(f"{k} x{v}" for k, v in sorted(bad.items()))
         raise NpucError("NPUC-E0301", f"the model uses {len(bad)} operator(s) npuc does not support: {listing}",
-                        "see docs/ops.md for the supported operators", exit_code=EXIT_UNSUPPORTED)
+                        "`npuc ops` lists the supported operators (docs/ops.md)", exit_code=EXIT_UNSUPPORTED)
 
 
 def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
