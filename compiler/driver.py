@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import difflib
 import functools
 import json
@@ -29,8 +30,10 @@ from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
-from npuc.ir import DType, Graph, Value, distinct_outputs
-from npuc.passes.kv_cache import KVCache, RopeTables
+from npuc.ir import DType, Graph, Node, Value, distinct_outputs
+from npuc.ir.evaluate import evaluate_value
+from npuc.passes.attention_fusion import hides_nothing, mask_window
+from npuc.passes.kv_cache import UNCHECKED, KVCache, LongTrace
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
@@ -236,22 +239,57 @@ def _refuse_onnx_decode() -> NpucError:
                      exit_code=EXIT_UNSUPPORTED)
 
 
-def _rope_tables(full: Graph) -> list[RopeTables]:
-    """The distinct RoPE tables of the model traced at max_seq_len (rows for every position to cache)."""
+# A mask at max_seq_len too large to fold is evaluated to read its window, up to this size.
+MASK_EVAL_BYTES = 1 << 28
+
+
+def _long_window(g: Graph, n: Node) -> int | None:
+    """An attention's mask at max_seq_len: 0 causal, w a sliding window, None another mask,
+    UNCHECKED one too large to evaluate."""
+    if n.op == "mla_attention":
+        return 0 if n.attrs.get("causal") else None
+    if len(n.inputs) == 3 or hides_nothing(n.inputs[3]):  # no mask, or the slot before sinks
+        return int(n.attrs.get("window", 0)) if n.attrs.get("causal") else None
+    q_len, k_len = n.inputs[0].type.shape[2], n.inputs[1].type.shape[2]
+    if n.inputs[3].is_const:
+        return None  # attention fusion read it already: not causal, not a window
+    values = evaluate_value(g, n.inputs[3], max_bytes=MASK_EVAL_BYTES)
+    if values is None:
+        return UNCHECKED
+    return mask_window(values, q_len, k_len)
+
+
+def _layers(loaded: LoadedModel) -> int:
+    """The layers a Hugging Face model's config declares (0 for other sources: not known)."""
+    if loaded.kind != "hf":
+        return 0
+    n = getattr(getattr(loaded.module, "config", None), "num_hidden_layers", 0)
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def _rope_tables(full: Graph) -> LongTrace:
+    """The distinct RoPE tables of the model traced at max_seq_len (rows for every position to
+    cache), and each attention's window there."""
     full = instrument.run_pipeline(full, rope_table_pipeline()).graph
     tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+    windows: list[int | None] = []
     for n in full.nodes:
+        if n.op in ("mla_attention", "fused_attention"):
+            windows.append(_long_window(full, n))
+            if windows[-1] == UNCHECKED:
+                log.warning("attention %s: its mask at --max_seq_len is too large to check for a sliding "
+                            "window; decode attends every cached position", n.name)
         if n.op != "rope_lut" or not all(v.is_const for v in n.inputs[2:]):
             continue
         c, s = (v.const.load() for v in n.inputs[2:] if v.const is not None)
         if not any(torch.equal(c, tc) and torch.equal(s, ts) for tc, ts in tables):
             tables.append((c, s))
-    return tables
+    return LongTrace(tables, windows)
 
 
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
                    loaded: LoadedModel | None = None, *, trust_pickle: bool = False
-                   ) -> tuple[Graph, list[RopeTables]]:
+                   ) -> tuple[Graph, LongTrace]:
     """The model traced for one token (the decode program's source), and the RoPE
     tables of the model traced at max_seq_len: two more static traces (build_programs
     derives both from the prefill's trace where the model traces at any length)."""
@@ -263,11 +301,11 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
     full = _import(loaded, _export(loaded, {ids.name: (batch, max_seq_len)}))
-    return decode, _rope_tables(full)
+    return decode, dataclasses.replace(_rope_tables(full), layers=_layers(loaded))
 
 
 def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
-                   *, trust_pickle: bool = False) -> tuple[Graph, Graph, list[RopeTables], Source]:
+                   *, trust_pickle: bool = False) -> tuple[Graph, Graph, LongTrace, Source]:
     """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
     tokens at positions 0..), the decode program (one token, traced at
     DECODE_TRACE_POSITION) and the RoPE tables of every position to cache.
@@ -286,14 +324,25 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     programs = _one_trace(loaded, shapes, max_seq_len)
     if programs is not None:
         try:
-            prefill, decode, full = (_import(loaded, ep) for ep in programs)
+            prefill, decode, full = (_import(loaded, ep) for ep in programs[:3])
             tables = _rope_tables(full)
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:
-            if tables:  # else the static traces say whether the model has RoPE npuc fuses
+            tables = dataclasses.replace(tables, layers=_layers(loaded))
+            if tables.tables:
                 _token_ids(prefill, max_seq_len)
                 return prefill, decode, tables, source
+            # No RoPE: a model whose positions are learned or computed embeddings of its
+            # position ids decodes with those ids an input; else the static traces say why not.
+            try:
+                decode = _import(loaded, programs[3])
+            except NpucError as e:
+                log.debug("the decode program with position ids does not import (%s)", e)
+            else:
+                if any(v.name == POSITIONS and v.uses for v in decode.inputs):
+                    _token_ids(prefill, max_seq_len)
+                    return prefill, decode, dataclasses.replace(tables, decode_positions=POSITIONS), source
     prefill = _import(loaded, _export(loaded, shapes))
     decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded)
     return prefill, decode, tables, source
@@ -330,7 +379,8 @@ def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_
             # An op npuc imports only in functional ATen, or one that writes in place.
             ep = _decomposed(ep)
             prefill = _at_length(ep, ids[0], seq, 0)
-        return prefill, _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0)
+        return (prefill, _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0),
+                _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION, keep_positions=True))
     except Exception as e:  # noqa: BLE001 - any failure here (a torch version whose export internals
         # differ, too) only costs the static traces, which say what is wrong if anything is
         log.debug("no single trace at a symbolic length for this model (%s): tracing each length", e)
@@ -350,11 +400,13 @@ def _mutates(ep: torch.export.ExportedProgram) -> bool:
                for n in ep.graph.nodes if n.op == "call_function")
 
 
-def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int) -> torch.export.ExportedProgram:
+def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int, keep_positions: bool = False
+               ) -> torch.export.ExportedProgram:
     """`ep`, traced at a symbolic length, as the static program of `n` tokens at positions
     start..start+n-1: each size computation becomes its value, each symbolic shape its
-    size, and the position_ids input a constant. The ops are copied, not traced again;
-    export has checked that the graph holds for every length in the Dim's range."""
+    size, and the position_ids input a constant (with `keep_positions`, an input still).
+    The ops are copied, not traced again; export has checked that the graph holds for
+    every length in the Dim's range."""
     placeholders = {p.name: p for p in ep.graph.nodes if p.op == "placeholder"}
     sig = ep.graph_signature
     if not any(s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS
@@ -396,12 +448,13 @@ def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int) -
     batch = value(placeholders[ids].meta["val"].shape[0])
     positions = torch.arange(start, start + n, dtype=torch.int64).expand(batch, n)
     specs = [InputSpec(InputKind.CONSTANT_TENSOR, s.arg, POSITIONS)
-             if s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS else s
-             for s in sig.input_specs]
+             if s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS and not keep_positions
+             else s for s in sig.input_specs]
+    constants = dict(ep.constants) if keep_positions else {**ep.constants, POSITIONS: positions.contiguous()}
     return torch.export.ExportedProgram(
         root=ep.graph_module, graph=graph, graph_signature=ExportGraphSignature(specs, list(sig.output_specs)),
         state_dict=ep.state_dict, range_constraints={}, module_call_graph=ep.module_call_graph,
-        constants={**ep.constants, POSITIONS: positions.contiguous()}, verifiers=ep.verifiers)
+        constants=constants, verifiers=ep.verifiers)
 
 
 def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list[str]]:
@@ -638,10 +691,11 @@ def _stored_ranges(low: Lowered) -> list[FileRange]:
 
 
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
-              tables: Sequence[RopeTables] = (), prefill_logits: str | None = None,
+              trace: LongTrace | None = None, prefill_logits: str | None = None,
               quantize: Quantize | None = None) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
-    decode over a KV cache of that many positions (the RoPE `tables` from build_programs).
+    decode over a KV cache of that many positions (the RoPE tables and attention windows
+    from build_programs).
     `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
     last row's logits where the model allows, "last" insists, "all" keeps every row."""
     if max_seq_len is None:
@@ -650,7 +704,10 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     cache_len = align_up(max_seq_len, target.matrix_tile)
     last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                             KVCache(role, cache_len, tables, position), last if role == "prefill" else None,
+                             KVCache(role, cache_len, trace.tables, position, trace.windows,
+                                     trace.decode_positions, trace.layers) if trace else
+                             KVCache(role, cache_len, (), position),
+                             last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations)
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
 

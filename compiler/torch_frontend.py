@@ -199,7 +199,7 @@ def import_exported_program(
     if bad:
         listing = ", ".join(f"{k} (x{v})" for k, v in sorted(bad.items()))
         raise NpucError("NPUC-E0301", f"the model uses {len(bad)} operator(s) npuc does not support: {listing}",
-                        "see docs/ops.md for the supported operators", exit_code=EXIT_UNSUPPORTED)
+                        "`npuc ops` lists the supported operators (docs/ops.md)", exit_code=EXIT_UNSUPPORTED)
     g = Graph(name)
     ctx = _Ctx(g)
     sig = ep.graph_signature
@@ -537,7 +537,8 @@ def _binary(op: str, compare: bool = False) -> Converter:
 
 
 for _op, _names in {
-    "add": ("add.Tensor", "add.Scalar"), "sub": ("sub.Tensor", "sub.Scalar"), "mul": ("mul.Tensor", "mul.Scalar"),
+    "add": ("add.Tensor", "add.Scalar"), "sub": ("sub.Tensor", "sub.Scalar"),
+    "mul": ("mul.Tensor", "mul.Scalar", "multiply.Tensor"),
     "div": ("div.Tensor", "div.Scalar"), "pow": ("pow.Tensor_Scalar", "pow.Tensor_Tensor"),
     "maximum": ("maximum.default", "max.other"), "minimum": ("minimum.default", "min.other"),
     "bitwise_and": ("__and__.Tensor", "bitwise_and.Tensor", "logical_and.default"),
@@ -548,49 +549,6 @@ for _op, _names in {
 for _op in ("eq", "ne", "lt", "le", "gt", "ge"):
     CONVERTERS[f"aten.{_op}.Tensor"] = _binary(_op, compare=True)
     CONVERTERS[f"aten.{_op}.Scalar"] = _binary(_op, compare=True)
-
-
-@converts("aten.square.default")
-def _square(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    x = ctx.cast(ctx.value(a["self"]), _out_dtype(node))
-    return ctx.emit("mul", [x, x], like=node)
-
-
-@converts("aten.pow.Scalar")
-def _pow_scalar_base(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    dt = _out_dtype(node)
-    return ctx.emit("pow", [ctx.scalar(a["self"], dt), ctx.operand(a["exponent"], dt)], like=node)
-
-
-@converts("aten.clamp.default", "aten.clamp.Tensor")
-def _clamp(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    # Bounds that are numbers or tensors (broadcast); torch applies min, then max.
-    dt = _out_dtype(node)
-    y = ctx.cast(ctx.value(a["self"]), dt)
-    lo, hi = a.get("min"), a.get("max")
-    if lo is not None:
-        y = ctx.emit("maximum", [y, ctx.operand(lo, dt)], name=f"{node.name}_min",
-                     like=None if hi is not None else node)
-    if hi is not None:
-        y = ctx.emit("minimum", [y, ctx.operand(hi, dt)], like=node)
-    return y
-
-
-@converts("aten.softplus.default")
-def _softplus(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    # softplus(beta x) / beta, linear above threshold / beta; the registry's softplus is torch's
-    # default threshold (20), so the scaled form reuses it exactly.
-    beta, threshold = a.get("beta", 1), a.get("threshold", 20)
-    if threshold != 20:
-        raise NpucError("NPUC-E0304", f"{node.name}: softplus with threshold {threshold}",
-                        "only torch's default threshold (20) is supported", exit_code=EXIT_UNSUPPORTED)
-    dt = _out_dtype(node)
-    x = ctx.cast(ctx.value(a["self"]), dt)
-    if beta == 1:
-        return ctx.emit("softplus", [x], like=node)
-    y = ctx.emit("softplus", [ctx.emit("mul", [x, ctx.scalar(beta, dt)], name=f"{node.name}_beta")],
-                 name=f"{node.name}_sp")
-    return ctx.emit("div", [y, ctx.scalar(beta, dt)], like=node)
 
 
 @converts("aten.rms_norm.default")
@@ -1002,3 +960,7 @@ def _complex_split(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> list[Pa
 
 
 COMPLEX_CONVERTERS["getitem"] = _getitem
+
+
+# More converters live beside this module; importing it registers them.
+from npuc.compiler import torch_math  # noqa: E402, F401

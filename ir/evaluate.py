@@ -64,3 +64,38 @@ def fold_node(g: Graph, node: Node) -> list[Value]:
         new.append(c)
     g.remove_node(node)
     return new
+
+
+def evaluate_value(g: Graph, value: Value, feeds: dict[str, torch.Tensor] | None = None,
+                   max_bytes: int = 1 << 28) -> torch.Tensor | None:
+    """`value`'s tensor, computed with the ops' reference kernels from constants and the graph
+    inputs named in `feeds`; None if it reads another input (or a state), or if the values
+    computed on the way would pass `max_bytes`."""
+    feeds = feeds or {}
+    cone: set[int] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v.is_const or v.name in feeds and v.producer is None:
+            continue
+        if v.producer is None:
+            return None  # an input not fed, or a state: known at run time only
+        if id(v.producer) not in cone:
+            cone.add(id(v.producer))
+            todo.extend(v.producer.inputs)
+    nodes = [n for n in g.nodes if id(n) in cone]
+    if sum(o.type.nbytes for n in nodes for o in n.outputs) > max_bytes:
+        return None
+    env: dict[int, torch.Tensor] = {id(v): feeds[v.name] for v in g.inputs if v.name in feeds}
+    with torch.no_grad():
+        for n in nodes:
+            ins = [env[id(v)] if id(v) in env else _loaded(v) for v in n.inputs]
+            for o, t in zip(n.outputs, get_op(n.op).run(ins, n.attrs), strict=True):
+                env[id(o)] = t
+    return env[id(value)] if id(value) in env else _loaded(value)
+
+
+def _loaded(v: Value) -> torch.Tensor:
+    if v.const is None:
+        raise InternalError(f"{v.name} has no value to evaluate")
+    return v.const.load()

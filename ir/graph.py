@@ -143,6 +143,10 @@ class Node:
             raise InternalError(f"{self.op} has {len(self.outputs)} outputs")
         return self.outputs[0]
 
+    def set_attrs(self, **attrs: Any) -> None:
+        """Change attributes in place; the result types must not change (the caller's to keep)."""
+        self.attrs = MappingProxyType({**self.attrs, **attrs})
+
     def set_input(self, index: int, value: Value) -> None:
         old = self.inputs[index]
         old.uses.remove((self, index))

@@ -191,13 +191,29 @@ def _mod_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(x), fn(x, torch.where(zero, torch.ones_like(y), y)))
 
 
-@op("mod", ("a", "b"), {"fmod": Attr("bool", False)}, kernel=_mod_kernel,
-    doc="remainder; fmod=false: the sign of the divisor (Python %), fmod=true: of the dividend (C fmod)")
-def _mod(ins: T, attrs: A) -> list[TensorType]:
+def _floor_div_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    x, y = xs
+    if x.dtype.is_floating_point:
+        return torch.div(x, y, rounding_mode="floor")
+    zero = y == 0  # as mod's: an integer division by zero gives 0, never a raise
+    return torch.where(zero, torch.zeros_like(x),
+                       torch.div(x, torch.where(zero, torch.ones_like(y), y), rounding_mode="floor"))
+
+
+def _numeric_binary(ins: T, attrs: A) -> list[TensorType]:
+    """Two numbers (no bools) of one dtype, broadcast."""
     dt = _same_dtype(ins)
     if dt == DType.bool:
-        raise ShapeError("mod does not take bool operands")
+        raise ShapeError("does not take bool operands")
     return [TensorType(broadcast(ins[0].shape, ins[1].shape), dt)]
+
+
+op("floor_div", ("a", "b"), kernel=_floor_div_kernel,
+   doc="quotient rounded down (Python //), of integers and floats; an integer division by zero gives 0"
+   )(_numeric_binary)
+op("mod", ("a", "b"), {"fmod": Attr("bool", False)}, kernel=_mod_kernel,
+   doc="remainder; fmod=false: the sign of the divisor (Python %), fmod=true: of the dividend (C fmod)"
+   )(_numeric_binary)
 
 
 @op("where", ("cond", "a", "b"), kernel=lambda xs, a: torch.where(xs[0], xs[1], xs[2]))
@@ -877,25 +893,79 @@ def _swiglu(ins: T, attrs: A) -> list[TensorType]:
     return _float_unary_infer(ins[:1], attrs)
 
 
+def window_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
+    """[s, k_len] bool: query i at q_pos[i] sees keys j with q_pos[i] - window < j <= q_pos[i]
+    (causal; with a sliding window of `window` keys, itself included, unless window is 0)."""
+    j = torch.arange(k_len, device=q_pos.device)[None, :]
+    p = q_pos.reshape(-1, 1).long()
+    return (j <= p) & (j > p - window) if window else j <= p
+
+
+def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(softcap * tanh(q @ k^T * scale / softcap) + mask) @ v, in f32 for half operands;
+    k/v heads broadcast over groups of q heads. With `sinks` [hq], each head's softmax also
+    counts a sink logit that takes no value (gpt-oss's attention sinks)."""
+    wide = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    g = q.shape[-3] // k.shape[-3]
+    k, v = (t.to(wide).repeat_interleave(g, dim=-3) for t in (k, v))
+    s = q.to(wide) @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(wide)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        col = sinks.to(wide).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+    return (p @ v).to(q.dtype)
+
+
 def _fused_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     q, k = xs[0], xs[1]
-    return _sdpa_kernel(xs, {"scale": a["scale"], "causal": a["causal"], "gqa": q.shape[-3] != k.shape[-3]})
+    gqa = q.shape[-3] != k.shape[-3]
+    mask = xs[3] if len(xs) > 3 else None
+    sinks = xs[4] if len(xs) > 4 else None
+    if not a["window"] and not a["softcap"] and sinks is None:
+        return _sdpa_kernel(xs, {"scale": a["scale"], "causal": a["causal"], "gqa": gqa})
+    # A sliding window or soft-capped scores: the causal band (top-left aligned, as causal is;
+    # all of it without a window), and any mask given.
+    if a["causal"]:
+        band = window_mask(torch.arange(q.shape[-2], device=q.device), k.shape[-2], a["window"])
+        if mask is None:
+            mask = band
+        else:
+            mask = band & mask if mask.dtype == torch.bool else \
+                torch.where(band, mask.float(), torch.tensor(float("-inf"), device=band.device))
+    if a["softcap"] or sinks is not None:
+        return _attention_math(q, k, xs[2], mask, a["scale"], a["softcap"], sinks)
+    return _sdpa_kernel([*xs[:3], *([] if mask is None else [mask])], {"scale": a["scale"], "causal": False, "gqa": gqa})
 
 
-@op("fused_attention", ("q", "k", "v", "mask?"), {"scale": Attr("float"), "causal": Attr("bool", False)},
+@op("fused_attention", ("q", "k", "v", "mask?", "sinks?"),
+    {"scale": Attr("float"), "causal": Attr("bool", False), "window": Attr("int", 0),
+     "softcap": Attr("float", 0.0)},
     kernel=_fused_attention_kernel, flops=_sdpa_flops, unit="cube",
     doc="softmax(q @ k^T * scale + mask [+ causal]) @ v; q [b,hq,s,d], k [b,hkv,l,d], v [b,hkv,l,dv], "
-        "hq a multiple of hkv (grouped-query attention absorbed)")
+        "hq a multiple of hkv (grouped-query attention absorbed); window > 0 (with causal): query i sees "
+        "keys i-window+1..i; softcap > 0: scores softcap * tanh(scores / softcap) before the mask; sinks [hq]: "
+        "a logit per head that the softmax counts and that takes no value")
 def _fused_attention(ins: T, attrs: A) -> list[TensorType]:
     q, k, v = ins[:3]
+    if attrs["window"] < 0 or (attrs["window"] and not attrs["causal"]) or attrs["softcap"] < 0:
+        raise ShapeError("fused_attention's window is a number of keys (>= 0), on a causal attention; "
+                         "its softcap >= 0")
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise ShapeError("fused_attention takes [batch, heads, seq, dim] operands")
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ShapeError(f"fused_attention q {q}, k {k}, v {v} do not fit")
     if q.shape[1] % k.shape[1]:
         raise ShapeError("fused_attention query heads are not a multiple of key heads")
-    if len(ins) == 4:
+    if len(ins) >= 4:
         broadcast(ins[3].shape, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    if len(ins) == 5 and (ins[4].shape != (q.shape[1],) or not ins[4].dtype.is_float):
+        raise ShapeError(f"fused_attention sinks {ins[4]} should be a float [{q.shape[1]}]")
     _same_dtype(ins[:3])
     return [TensorType(q.shape[:3] + (v.shape[-1],), q.dtype)]
 
@@ -920,10 +990,13 @@ def _kv_write(ins: T, attrs: A) -> list[TensorType]:
 
 
 def _cached_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
-    q, kc, vc, pos = xs
-    # Query i sees cached keys 0..position[i]: the causal mask, offset by where the chunk starts.
-    # A half cache is computed in f32 and rounded once (_sdpa_kernel).
-    mask = torch.arange(kc.shape[-2], device=q.device)[None, :] <= pos.reshape(-1, 1).long()
+    q, kc, vc, pos = xs[:4]
+    # Query i sees cached keys 0..position[i] (the last `window` of them with a window): the
+    # causal mask, offset by where the chunk starts. A half cache is computed in f32 and
+    # rounded once (_sdpa_kernel).
+    mask = window_mask(pos, kc.shape[-2], a["window"])
+    if a["softcap"] or len(xs) > 4:
+        return _attention_math(q, kc, vc, mask, a["scale"], a["softcap"], xs[4] if len(xs) > 4 else None)
     return _sdpa_kernel([q, kc, vc, mask], {"scale": a["scale"], "causal": False, "gqa": q.shape[-3] != kc.shape[-3]})
 
 
@@ -931,12 +1004,18 @@ def _cached_attention_flops(ins: T, outs: T, attrs: A) -> int:
     return _sdpa_flops(ins, outs, attrs)
 
 
-@op("cached_attention", ("q", "k_cache", "v_cache", "position"), {"scale": Attr("float")},
+@op("cached_attention", ("q", "k_cache", "v_cache", "position", "sinks?"),
+    {"scale": Attr("float"), "window": Attr("int", 0), "softcap": Attr("float", 0.0)},
     kernel=_cached_attention_kernel, flops=_cached_attention_flops, unit="cube",
-    doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i]; "
+    doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i] "
+        "(position[i]-window+1.. with a sliding window; scores soft-capped and sinks as fused_attention's); "
         "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s]")
 def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
-    q, kc, vc, pos = ins
+    q, kc, vc, pos = ins[:4]
+    if len(ins) == 5 and (ins[4].shape != (q.shape[1],) or not ins[4].dtype.is_float):
+        raise ShapeError(f"cached_attention sinks {ins[4]} should be a float [{q.shape[1]}]")
+    if attrs["window"] < 0 or attrs["softcap"] < 0:
+        raise ShapeError("cached_attention's window is a number of keys (>= 0), its softcap >= 0")
     if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] or q.shape[0] != kc.shape[0] \
             or q.shape[-1] != kc.shape[-1] or q.shape[1] % kc.shape[1]:
         raise ShapeError(f"cached_attention q {q}, caches {kc} / {vc} do not fit")

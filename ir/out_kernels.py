@@ -220,10 +220,13 @@ def _rope_lut(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     return True
 
 
-def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor) -> None:
-    """Scores [..., s, rows]: query i at position pos[i] sees cached rows 0..pos[i] only."""
+def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor, window: int = 0) -> None:
+    """Scores [..., s, rows]: query i at position pos[i] sees cached rows 0..pos[i] only (the
+    last `window` of them, with a sliding window)."""
     for i, p in enumerate(pos.tolist()):
         scores[..., i, p + 1:].fill_(float("-inf"))
+        if window and p - window + 1 > 0:
+            scores[..., i, :p - window + 1].fill_(float("-inf"))
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -240,6 +243,8 @@ def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
 
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    if len(xs) != 4:
+        return False  # attention sinks: the reference kernel's
     q, kc, vc, pos = xs
     out = outs[0]
     half = q.dtype in _HALF
@@ -268,7 +273,9 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
             for h in range(hkv):  # the widened rows of one head at a time: scratch of one head, not the cache
                 torch.mm(qg[j, h], _f32(ws, off, (n, d)).copy_(k[j, h]).t(), out=scores[j, h])
     scores.mul_(scale)
-    _hide_later_rows(scores.view(b, hkv, g, s, n), pos)
+    if a["softcap"]:  # in place: softcap * tanh(scores / softcap)
+        scores.div_(a["softcap"]).tanh_().mul_(a["softcap"])
+    _hide_later_rows(scores.view(b, hkv, g, s, n), pos, a["window"])
     torch.softmax(scores, dim=-1, out=scores)
     if not half:
         torch.matmul(scores, v, out=o)

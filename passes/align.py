@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from npuc.ir import DType, Graph, Node, TensorSource, TensorType, Value, get_op
-from npuc.ir.ops import linear_nk
+from npuc.ir.ops import linear_nk, window_mask
 from npuc.passes.manager import Pass, PassResult
 
 log = logging.getLogger("npuc")
@@ -175,9 +175,12 @@ class TargetAlignment(Pass):
         causal = bool(node.attrs["causal"])
         ins = [e.pad(q, {2: s2, 3: d2}), e.pad(k, {2: l2, 3: d2}), e.pad(v, {2: l2, 3: dv2})]
         # Causal attention with s == l already hides every padded key from every real query.
+        sinks = node.inputs[4:5]
         if mask is not None or (l2 != l_ and not (causal and s == l_)):
             ins.append(self._key_mask(e, q, mask, s, s2, l_, l2))
-        y = e.op("fused_attention", ins, dict(node.attrs), label="aligned")
+        elif sinks:  # the mask slot before the sinks: one that hides nothing
+            ins.append(e.const(f"{e.at.name}_no_mask", torch.zeros((), dtype=q.type.dtype.torch)))
+        y = e.op("fused_attention", [*ins, *sinks], dict(node.attrs), label="aligned")
         self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
         return True
 
@@ -221,14 +224,27 @@ class TargetAlignment(Pass):
         scores = e.op("matmul", [q, kt], label="scores")
         scale = e.const(f"{node.name}_scale", torch.tensor(node.attrs["scale"], dtype=q.type.dtype.torch))
         scores = e.op("mul", [scores, scale], label="scaled")
+        attrs = get_op("fused_attention").full_attrs(node.attrs)
+        if attrs["softcap"]:  # softcap * tanh(scores / softcap)
+            cap = e.const(f"{node.name}_softcap", torch.tensor(attrs["softcap"], dtype=q.type.dtype.torch))
+            scores = e.op("mul", [e.op("tanh", [e.op("div", [scores, cap], label="capped")], label="tanh"), cap],
+                          label="softcap")
         ninf = e.const(f"{node.name}_ninf", torch.tensor(float("-inf"), dtype=q.type.dtype.torch))
-        if node.attrs["causal"]:
-            allowed = e.const(f"{node.name}_causal", torch.ones(s, l_, dtype=torch.bool).tril())
+        if attrs["causal"]:
+            allowed = e.const(f"{node.name}_causal", window_mask(torch.arange(s), l_, attrs["window"]))
             scores = e.op("where", [allowed, scores, ninf], label="causal")
         if mask is not None:
             if mask.type.dtype == DType.bool:
                 scores = e.op("where", [mask, scores, ninf], label="masked")
             else:
                 scores = e.op("add", [scores, mask], label="masked")
-        probs = e.op("softmax", [scores], {"axis": 3})
+        if len(node.inputs) > 4:  # sinks: a column of per-head logits in the softmax, dropped after
+            col = e.op("reshape", [node.inputs[4]], {"shape": (1, h, 1, 1)}, label="sinks")
+            col = e.op("expand", [e.op("cast", [col], {"dtype": q.type.dtype}, label="sinks") if
+                                  col.type.dtype != q.type.dtype else col], {"shape": (b, h, s, 1)}, label="sinks")
+            scores = e.op("concat", [scores, col], {"axis": 3}, label="with_sinks")
+            probs = e.op("softmax", [scores], {"axis": 3})
+            probs = e.op("slice", [probs], {"axis": 3, "start": 0, "end": l_, "step": 1}, label="without_sinks")
+        else:
+            probs = e.op("softmax", [scores], {"axis": 3})
         self._replace(g, node, e.op("matmul", [probs, v], label="out"))

@@ -5,15 +5,24 @@ decomposed form exporters write at opset 18:
 
     %kt = transpose[perm=[0,1,3,2]](%k)        (or reshape -> transpose -> reshape)
     %s  = matmul(mul(%q, @c1), mul(%kt, @c2))   (scale on the scores, split as sqrt on q and k, or absent)
+    %s  = mul(tanh(div(%s, @cap)), @cap)        (soft-capped scores, Gemma 2: optional)
     %sm = softmax[axis=-1](add(%s, @mask))      (additive mask, where(%mask, %s, -inf), or none)
     %p  = where(is_nan(%sm), @zero, %sm)        (the NaN guard, optional)
     %y  = matmul(%p, %v)
   ->
-    %y  = fused_attention[scale=c1*c2, causal=...](%q, %k, %v [, %mask])
+    %y  = fused_attention[scale=c1*c2, causal=..., softcap=cap](%q, %k, %v [, %mask])
 
 GQA: keys and values repeated by `repeat_kv` (reshape -> expand -> reshape) are read
 from before the repeat; the op broadcasts heads itself. A constant mask equal to the
-causal mask becomes `causal=true` and disappears. q/k and v head dims may differ (MLA).
+causal mask becomes `causal=true` and disappears; one equal to a sliding window's causal
+band (query i sees keys i-w+1..i) becomes `causal=true, window=w`. q/k and v head dims may differ (MLA).
+
+With attention sinks (gpt-oss), a constant column of per-head logits joins the scores
+before the softmax and its probability is dropped after:
+
+    %c  = concat[axis=-1](add(%s, @mask), @sinks)     %p = slice(softmax(sub(%c, reduce_max(%c))), 0:L)
+  ->
+    %y  = fused_attention[causal=true, scale=..](%q, %k, %v, @no_mask, @sinks_heads)
 
 Left alone: a softmax over other than the last axis, a mask whose shape does not
 broadcast to [batch, heads, q, k] (it then stays an explicit operand only if it
@@ -29,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from npuc.ir import DType, Value, get_op
-from npuc.ir.ops import ShapeError, broadcast
+from npuc.ir.ops import ShapeError, broadcast, window_mask
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, op, opt, var
 
 
@@ -75,18 +84,37 @@ def hides_nothing(mask: Value) -> bool:
     return bool(t.all()) if t.dtype == torch.bool else bool((t == 0).all())
 
 
-def causal_mask(mask: Value, q_len: int, k_len: int) -> bool:
-    """Whether a constant mask is exactly the (top-left aligned) causal mask."""
+def causal_window(mask: Value, q_len: int, k_len: int) -> int | None:
+    """Whether a constant mask is exactly the (top-left aligned) causal mask: 0 if it is,
+    the window w if it is the causal band of a sliding window (query i sees keys
+    i-w+1..i, w < q_len), None otherwise."""
     if mask.const is None or mask.type.rank < 2 or mask.type.shape[-2:] != (q_len, k_len):
-        return False
+        return None
     if any(d != 1 for d in mask.type.shape[:-2]) and mask.type.numel > (1 << 22):
-        return False
-    t = mask.const.load()
-    allowed = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        return None
+    return mask_window(mask.const.load(), q_len, k_len)
+
+
+def mask_window(t: torch.Tensor, q_len: int, k_len: int) -> int | None:
+    """causal_window of a mask's values."""
+    if t.dim() < 2 or tuple(t.shape[-2:]) != (q_len, k_len):
+        return None
     if t.dtype == torch.bool:
-        return bool((t == allowed).all())
-    t = t.double()
-    return bool((t[..., allowed] == 0).all() and (t[..., ~allowed] <= -1e4).all())
+        seen = t
+    else:
+        t = t.double()
+        if not ((t == 0) | (t <= -1e4)).all():
+            return None  # a bias, not a mask
+        seen = t == 0
+    seen = seen.reshape(-1, q_len, k_len)
+    if not bool((seen == seen[:1]).all()):
+        return None  # differs along batch or heads
+    seen = seen[0]
+    w = int(seen[-1].sum())
+    for window in (0, w) if w < q_len else (0,):
+        if torch.equal(seen, window_mask(torch.arange(q_len), k_len, window)):
+            return window
+    return None
 
 
 def _kv(q: Value, k: Value, v: Value) -> tuple[Value, Value] | str:
@@ -104,12 +132,21 @@ def _kv(q: Value, k: Value, v: Value) -> tuple[Value, Value] | str:
 
 
 def _build(b: Builder, q: Value, k: Value, v: Value, mask: Value | None, scale: float,
-           causal: bool = False) -> Value:
+           causal: bool = False, softcap: float = 0.0, sinks: Value | None = None) -> Value:
     kv = _kv(q, k, v)  # the checks refused what does not fit, so this is the fitting pair
     k, v = kv if not isinstance(kv, str) else (strip_repeat_kv(k), strip_repeat_kv(v))
-    mask_is_causal = mask is not None and causal_mask(mask, q.type.shape[2], k.type.shape[2])
-    ins = [q, k, v] + ([mask] if mask is not None and not mask_is_causal else [])
-    return b.op("fused_attention", ins, {"scale": scale, "causal": causal or mask_is_causal})
+    window = causal_window(mask, q.type.shape[2], k.type.shape[2]) if mask is not None else None
+    ins = [q, k, v] + ([mask] if mask is not None and window is None else [])
+    if sinks is not None:  # after the mask slot: a mask of zeros where there is none
+        if len(ins) == 3:
+            ins.append(b.const("no_mask", torch.zeros((), dtype=q.type.dtype.torch)))
+        ins.append(sinks)
+    attrs: dict[str, object] = {"scale": scale, "causal": causal or window is not None}
+    if window:
+        attrs["window"] = window
+    if softcap:
+        attrs["softcap"] = softcap
+    return b.op("fused_attention", ins, attrs)
 
 
 def _mask_ok(m: Match, q: Value, k: Value) -> str | None:
@@ -164,9 +201,12 @@ def _scaled(inner: object, name: str) -> object:
 def _decomposed_pattern() -> object:
     scores = op("matmul", _scaled(var("q"), "cq"), _scaled(_kt("k"), "ck"), bind="qk")
     scaled = _scaled(scores, "cs")
+    # Soft-capped scores (Gemma 2): cap * tanh(scores / cap), the division as one or a product
+    inner = any_of(op("div", scaled, var("cap_div", _scalar)), op("mul", scaled, var("cap_inv", _scalar)))
+    capped = any_of(op("mul", op("tanh", inner), var("cap", _scalar)), scaled)
     ninf = const(value=float("-inf"))
-    masked = any_of(op("add", scaled, var("mask")),
-                    op("where", var("mask", lambda v: v.type.dtype == DType.bool), scaled, ninf), scaled)
+    masked = any_of(op("add", capped, var("mask")),
+                    op("where", var("mask", lambda v: v.type.dtype == DType.bool), capped, ninf), capped)
     sm = op("softmax", masked, bind="sm", axis=lambda a: a in (3, -1))
     guarded = any_of(op("where", op("is_nan", sm), const(value=0.0), sm), sm)
     return op("matmul", opt("cast", guarded), var("v"))
@@ -195,8 +235,23 @@ def _key(b: Builder | None, m: Match) -> Value | str:
     return k if k.type.shape == (bb, h, s, d) else b.op("reshape", [k], {"shape": (bb, h, s, d)}, name=f"{k.name}_4d")
 
 
+def _softcap(m: Match) -> float | str:
+    """The soft-cap of the scores (0: none), or why the two constants are not one cap."""
+    if "cap" not in m.values:
+        return 0.0
+    cap = float(m.data("cap").reshape(-1)[0])
+    div = float(m.data("cap_div").reshape(-1)[0]) if "cap_div" in m.values else \
+        1.0 / float(m.data("cap_inv").reshape(-1)[0])
+    if not cap > 0 or not math.isclose(cap, div, rel_tol=1e-6):
+        return f"tanh(scores / {div:g}) * {cap:g} is not a soft-cap"
+    return cap
+
+
 def _decomposed_check(m: Match) -> str | None:
     q = m["q"]
+    cap = _softcap(m)
+    if isinstance(cap, str):
+        return cap
     k = _key(None, m)
     if isinstance(k, str):
         return k
@@ -216,18 +271,83 @@ def _decomposed_check(m: Match) -> str | None:
     return None
 
 
-def _decomposed_rewrite(b: Builder, m: Match) -> Value:
+def _scores_scale(m: Match) -> float:
+    """The scale of the scores: the product of the scalars on q, on k^T and on their product."""
     scale = 1.0
     for name in ("cq", "ck", "cs"):
         if name in m.values:
             scale *= float(m.data(name).reshape(-1)[0])
         if name + "_div" in m.values:
             scale /= float(m.data(name + "_div").reshape(-1)[0])
+    return scale
+
+
+def _decomposed_rewrite(b: Builder, m: Match, sinks: Value | None = None) -> Value:
     k = _key(b, m)
     assert not isinstance(k, str), k
-    y = _build(b, m["q"], k, m["v"], m.values.get("mask"), scale)
+    cap = _softcap(m) if sinks is None else 0.0
+    assert not isinstance(cap, str), cap
+    y = _build(b, m["q"], k, m["v"], m.values.get("mask"), _scores_scale(m), softcap=cap, sinks=sinks)
     root = m.matched[0].outputs[0]
     return y if y.type.dtype == root.type.dtype else b.op("cast", [y], {"dtype": root.type.dtype})
+
+
+# -- with attention sinks (gpt-oss) -----------------------------------------------------------
+
+def _sinks_pattern() -> object:
+    scores = op("matmul", _scaled(var("q"), "cq"), _scaled(_kt("k"), "ck"), bind="qk")
+    scaled = _scaled(scores, "cs")
+    masked = any_of(op("add", scaled, var("mask")), scaled)
+    cat = op("concat", masked, var("sinks", _const_value), bind="cat")
+    shifted = any_of(op("sub", cat, op("reduce_max", cat, bind="max")), cat)
+    probs = op("slice", op("softmax", shifted, bind="sm", axis=lambda a: a in (3, -1)), bind="drop")
+    return op("matmul", opt("cast", probs), var("v"))
+
+
+def _const_value(v: Value) -> bool:
+    return v.is_const
+
+
+def _sink_logits(m: Match) -> torch.Tensor | str:
+    """The per-head sink logits [heads] behind the constant [.., heads, q, 1] column, or why not."""
+    q, s = m["q"], m["sinks"]
+    b, h, n = q.type.shape[0], q.type.shape[1], q.type.shape[2]
+    if s.type.rank != 4 or s.type.shape[1:] != (h, n, 1) or s.type.shape[0] not in (1, b):
+        return f"sinks {s.type} are not a column [batch, {h}, {n}, 1]"
+    t = m.data("sinks")[..., 0]
+    if not bool((t == t[:1, :, :1]).all()):
+        return "the sink logits vary along batch or queries"
+    return t[0, :, 0]
+
+
+def _sinks_check(m: Match) -> str | None:
+    bad = _decomposed_check(m)
+    if bad is not None:
+        return bad
+    cat, drop = m.node("cat"), m.node("drop")
+    length = m["qk"].type.shape[-1]
+    if not _last_axis(cat) or cat.outputs[0].type.shape[-1] != length + 1:
+        return "the sinks are not one more column of the scores"
+    d = get_op("slice").full_attrs(drop.attrs)
+    if d["axis"] % 4 != 3 or (d["start"], d["end"], d["step"]) != (0, length, 1):
+        return "the probabilities kept are not the scores' columns"
+    if "max" in m.nodes:
+        a = get_op("reduce_max").full_attrs(m.node("max").attrs)
+        if tuple(x % 4 for x in a["axes"]) != (3,) or not a["keepdim"]:
+            return "the shift is not the maximum over the keys"
+    sinks = _sink_logits(m)
+    return sinks if isinstance(sinks, str) else None
+
+
+def _last_axis(n: object) -> bool:
+    a = get_op("concat").full_attrs(n.attrs)  # type: ignore[attr-defined]
+    return int(a["axis"]) % n.outputs[0].type.rank == n.outputs[0].type.rank - 1  # type: ignore[attr-defined]
+
+
+def _sinks_rewrite(b: Builder, m: Match) -> Value:
+    logits = _sink_logits(m)
+    assert not isinstance(logits, str), logits
+    return _decomposed_rewrite(b, m, sinks=b.const(f"{m['sinks'].name}_heads", logits.contiguous()))
 
 
 @dataclass(frozen=True)
@@ -240,4 +360,5 @@ class AttentionFusion(RewritePass):
         return [
             Rule("sdpa-to-fused-attention", sdpa, _sdpa_rewrite, _sdpa_check),
             Rule("decomposed-attention", _decomposed_pattern(), _decomposed_rewrite, _decomposed_check),
+            Rule("attention-with-sinks", _sinks_pattern(), _sinks_rewrite, _sinks_check),
         ]

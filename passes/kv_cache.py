@@ -44,9 +44,25 @@ when a model has several). Prefill and decode then share one table constant. The
 decode program is traced at position `trace_position` (> 0: at position 0 the rotation
 is the identity and folding would remove it), so its rows are compared there.
 
+A model without RoPE whose positions are embeddings of its position ids (GPT-2's learned
+table, OPT's, sinusoids) decodes with those ids an input (`decode_positions`), fed from
+the position:
+
+    %row = reshape[shape=[1,1]](%position)        replaces the position_ids input [1, 1]
+    %pe = gather[axis=0](@wpe, %row)              the row of the position being decoded
+
+A sliding window (`window=w`: a query sees the last w keys, itself included) goes to the
+cached attention too. Its width comes from the model traced at the cache length
+(`windows`), where a window wider than the prefill shows as a band:
+
+      %o = fused_attention[causal=true](%q, %k, %v)                 prefill of 8, window 16
+    ->
+      %o = fused_attention[causal=true, window=16](%q, %k, %v)
+      %o = cached_attention[window=16](%q, %wk, %wv, %position)     decode
+
 Refused with NPUC-E0123: no fused attention, a non-causal prefill, an attention mask
-that is not the plain causal one, or positions that are not all RoPE (the decode
-program would bake position 0 in).
+that is not the plain causal one (here or at the cache length), or positions that are
+not all RoPE (the decode program would bake position 0 in).
 """
 
 from __future__ import annotations
@@ -58,11 +74,34 @@ import torch
 
 from npuc.errors import EXIT_UNSUPPORTED, NpucError
 from npuc.ir import DType, Graph, Node, TensorType, Value
+from npuc.ir.evaluate import evaluate_value
 from npuc.ir.graph import TensorSource
 from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.manager import Pass, PassResult
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+UNCHECKED = -1  # a window that was not checked (LongTrace.windows): the program's own stands
+
+
+@dataclass(frozen=True)
+class LongTrace:
+    """What the model traced at max_seq_len says about the positions to cache: its distinct
+    RoPE tables, and each attention's mask there (schedule order): 0 causal, w > 0 the
+    causal band of a sliding window of w keys, None another mask, UNCHECKED one too large to
+    evaluate. A window wider than the prefill is invisible in the prefill's own trace; this
+    is where it shows."""
+
+    tables: Sequence[RopeTables] = ()
+    windows: Sequence[int | None] = ()
+    # The decode program's input of position ids [batch, 1], for a model without RoPE whose
+    # positions are embeddings of them (learned, sinusoidal); "" where RoPE carries them.
+    decode_positions: str = ""
+    # The model's layers, where its source says (a Hugging Face config): each must have an
+    # attention npuc caches, else a layer that mixes tokens otherwise (linear attention, an
+    # attention left unfused) would decode without its past. 0: not known.
+    layers: int = 0
+
+
 # Decode's attention over the cache is named after the attention it replaces, plus this:
 # `--keep_dtype X` keeps both programs' attention (and so their shared cache) as it is.
 CACHED = ".cached"
@@ -84,11 +123,21 @@ class KVCache(Pass):
     # The position the graph was traced at: a one-token trace at position 0 would have
     # RoPE's identity rotation folded away, so decode programs are traced further on.
     trace_position: int = 0
+    # Each attention's window at max_seq_len (LongTrace.windows); empty: the graph's own.
+    windows: Sequence[int | None] = field(default=(), compare=False)
+    # LongTrace.decode_positions: the decode input that position becomes (no RoPE needed).
+    decode_positions: str = ""
+    # LongTrace.layers: at least this many attentions to cache.
+    layers: int = 0
 
     def call(self, g: Graph) -> PassResult:
         attn = [n for n in g.nodes if n.op in ("fused_attention", "mla_attention")]
         if not attn:
             raise _refuse("the graph has no fused attention to cache")
+        if len(attn) < self.layers:
+            raise _refuse(f"{len(attn)} fused attention(s) for {self.layers} layers: a layer whose token mixing is "
+                          "not an attention npuc fuses (linear attention, a state-space mixer) would decode "
+                          "without its past")
         seq = attn[0].inputs[0].type.shape[2]
         if self.cache_len < seq:
             raise _refuse(f"a cache of {self.cache_len} rows cannot hold the {seq} positions of one run")
@@ -98,13 +147,18 @@ class KVCache(Pass):
             if seq != 1:
                 raise _refuse(f"the decode trace has {seq} query positions, not 1")
             pos = g.add_input("position", TensorType((1,), DType.i64))
+            if self.decode_positions:
+                self._position_ids(g, pos)
         else:
             pos = g.add_constant(f"positions_{seq}", TensorType((seq,), DType.i64),
                                  TensorSource(torch.arange(seq, dtype=torch.int64)))
+        if self.windows and len(self.windows) != len(attn):
+            raise _refuse(f"the model traced at the cache length has {len(self.windows)} attentions, "
+                          f"this program {len(attn)}")
         for i, n in enumerate(attn):
             self._attention(g, n, i, pos, seq)
         ropes = [n for n in g.nodes if n.op == "rope_lut"]
-        if not ropes:
+        if not ropes and not self.decode_positions:
             raise _refuse("no rotary position embedding was fused (positions that are not RoPE "
                           "cannot move with the decoded token)")
         shared: dict[int, tuple[Value, Value]] = {}
@@ -120,20 +174,67 @@ class KVCache(Pass):
         if q.type.shape[2] != seq or (latent and rows[0][1].type.shape[2] != seq):
             raise _refuse(f"attention {n.name} has {q.type.shape[2]} queries, another has {seq}")
         mask = None if latent else (n.inputs[3] if len(n.inputs) > 3 else None)
-        if mask is not None and not (self.role == "decode" and hides_nothing(mask)):
+        sinks = n.inputs[4:5] if not latent else []
+        # A prefill mask must be none (or one that hides nothing: the slot before sinks); decode's
+        # one-token trace masks its own key only, which the cache's positions replace.
+        if mask is not None and not ((self.role == "decode" or n.attrs.get("causal")) and self._hides_nothing(g, mask)):
             raise _refuse(f"attention {n.name} has a mask that is not the plain causal one")
         if self.role == "prefill" and seq > 1 and not n.attrs.get("causal", False):
             raise _refuse(f"attention {n.name} is not causal")
+        window = int(n.attrs.get("window", 0))
+        if self.windows and self.windows[i] != UNCHECKED:
+            long = self.windows[i]
+            if long is None:
+                raise _refuse(f"attention {n.name}: at the cache length its mask is neither causal nor a "
+                              "sliding window")
+            if long != window and not (window == 0 and seq <= long):  # a band wider than this trace is causal here
+                raise _refuse(f"attention {n.name} has window {window} here and {long} at the cache length")
+            window = long
+        if window and latent:
+            raise _refuse(f"attention {n.name}: a sliding window over latent attention")
+        if window and self.role == "prefill":
+            n.set_attrs(window=window)
         written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n) for kind, x in rows]
         if self.role == "decode":  # attend over the cache, query i at position[i]
             if latent:
                 op, ins = "mla_attention", [*n.inputs[:2], *written, *n.inputs[3:5], pos]
                 attrs = {"scale": n.attrs["scale"], "causal": False}
             else:
-                op, ins, attrs = "cached_attention", [q, *written, pos], {"scale": n.attrs["scale"]}
+                op, ins, attrs = "cached_attention", [q, *written, pos, *sinks], {"scale": n.attrs["scale"]}
+                if window:
+                    attrs["window"] = window
+                if n.attrs.get("softcap"):
+                    attrs["softcap"] = n.attrs["softcap"]
             new = g.add_node(op, ins, [n.outputs[0].type], attrs, names=n.name + CACHED, before=n)
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)
+
+    def _hides_nothing(self, g: Graph, mask: Value) -> bool:
+        """Whether the one-token trace's mask over its own key hides nothing: folded, or (a mask
+        the position ids input computes) evaluated at the position traced."""
+        if hides_nothing(mask):
+            return True
+        if not self.decode_positions:
+            return False
+        t = evaluate_value(g, mask, {"position": torch.tensor([self.trace_position])}, max_bytes=1 << 20)
+        return t is not None and bool(t.all() if t.dtype == torch.bool else (t == 0).all())
+
+    def _position_ids(self, g: Graph, pos: Value) -> None:
+        """The model's own position ids input [batch, 1] becomes the decode position."""
+        ids = next((v for v in g.inputs if v.name == self.decode_positions), None)
+        if ids is None or ids.type.rank != 2 or ids.type.shape[1] != 1 or ids.type.dtype.is_float:
+            raise _refuse(f"the decode program has no position ids input {self.decode_positions!r} [batch, 1]")
+        first = g.nodes[0]
+        v = g.add_node("reshape", [pos], [TensorType((1, 1), DType.i64)], {"shape": (1, 1)},
+                       names="position_ids_row", before=first).outputs[0]
+        if ids.type.shape[0] != 1:
+            v = g.add_node("expand", [v], [TensorType(ids.type.shape, DType.i64)], {"shape": ids.type.shape},
+                           names="position_ids_rows", before=first).outputs[0]
+        if ids.type.dtype != DType.i64:
+            v = g.add_node("cast", [v], [ids.type], {"dtype": ids.type.dtype}, names="position_ids_cast",
+                           before=first).outputs[0]
+        g.replace_all_uses_with(ids, v)
+        g.inputs.remove(ids)
 
     def _write(self, g: Graph, name: str, x: Value, pos: Value, before: Node) -> Value:
         """A state of `cache_len` rows for x's [b, heads, s, d], with x written at `pos`."""

@@ -59,6 +59,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
 
 
 def rope_table_pipeline() -> list[Pass]:
-    """What the model needs to go through before its RoPE tables are `rope_lut` operands."""
+    """What the model needs to go through before its RoPE tables are `rope_lut` operands and
+    its attention is fused (the masks then say causal, sliding window or other)."""
     passes = default_pipeline()
-    return passes[:next(i for i, p in enumerate(passes) if isinstance(p, RoPEFusion)) + 1]
+    return passes[:next(i for i, p in enumerate(passes) if isinstance(p, MLAFusion)) + 1]

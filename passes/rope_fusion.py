@@ -16,6 +16,17 @@ tables are applied and hands them to `rope_lut` with the position ids.
   ->
     %y = rope_lut[layout="deinterleave"](%x, @positions, @cos_table, @sin_table)
 
+    %a, %b = split[axis=-1](%x)                               gpt-oss: halves, by a split
+    %y = concat[axis=-1](sub(mul(%a, @cos), mul(%b, @sin)), add(mul(%b, @cos), mul(%a, @sin)))
+  ->
+    %y = rope_lut[layout="half"](%x, @positions, @cos_table, @sin_table)
+
+    %e = slice[step=2](%x, 0:), %o = slice[step=2](%x, 1:)    GPT-J's rotate_every_two (Cohere,
+    %r = reshape(concat[axis=-1](reshape(neg(%o)), reshape(%e)))   GLM): stack([-o, e], -1)
+    %y = add(mul(%x, @cos), mul(%r, @sin))                     cos/sin columns in equal pairs
+  ->
+    %y = rope_lut[layout="interleaved"](%x, @positions, @cos_table, @sin_table)
+
     %p = reshape(%x) [b, h, s, d/2, 2]                      complex pairs (DeepSeek-V2's
     %a = slice(%p, 0:1), %b = slice(%p, 1:2)                 view_as_complex(x) * freqs_cis,
     %y = reshape(concat[axis=-1](                            as the torch frontend writes it)
@@ -159,6 +170,101 @@ def _pairs_pattern() -> object:
     return op("concat", real, imag, bind="cat")
 
 
+# -- halves by split (gpt-oss): half in, half out ------------------------------------------------
+
+def _split_source(m: Match) -> Value | str:
+    """x, whose two halves (one split) the matched rotation reads; or why not."""
+    a, b = m["a"], m["b"]
+    sp = a.producer
+    if sp is None or sp.op != "split" or b.producer is not sp or (a.index, b.index) != (0, 1) \
+            or len(sp.outputs) != 2:
+        return "the halves are not the two outputs of one split"
+    x = sp.inputs[0]
+    d = x.type.shape[-1] if x.type.rank else 0
+    sizes = _attrs(sp)["sizes"]
+    if x.type.rank != 4 or not (_last(sp) and _last(m.node("cat"))) or list(sizes) != [d // 2, d // 2]:  # type: ignore[call-overload]
+        return "the split is not the two halves of the last axis of [batch, heads, seq, dim]"
+    if m.matched[0].outputs[0].type != x.type:
+        return "the tables broadcast x to another shape"
+    seq = x.type.shape[-2]
+    for name in ("cos", "sin"):
+        if m[name].type.rank < 2 or m[name].type.shape[-2:] != (seq, d // 2):
+            return f"{name} table {m[name].type} is not [.., {seq}, {d // 2}]"
+    data = _table_data(m, x, half_width=True)
+    return data if isinstance(data, str) else x
+
+
+def _split_check(m: Match) -> str | None:
+    x = _split_source(m)
+    return x if isinstance(x, str) else None
+
+
+def _split_rewrite(b: Builder, m: Match) -> Value:
+    x = _split_source(m)
+    assert not isinstance(x, str), x  # the check refused this already
+    tables = _tables(b, m, x, half_width=True)
+    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "half"})
+
+
+def _split_pattern() -> object:
+    a, b = var("a"), var("b")  # the two outputs of one split (a node the pattern cannot match twice)
+    cos, sin = var("cos", _const), var("sin", _const)
+    first = op("sub", op("mul", a, cos), op("mul", b, sin))
+    second = op("add", op("mul", b, cos), op("mul", a, sin))
+    return op("concat", first, second, bind="cat")
+
+
+# -- every two (GPT-J, Cohere, GLM): interleaved in, interleaved out ---------------------------
+
+def _every_two_data(m: Match) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """The [positions, d/2] tables of an interleaved RoPE: the cos/sin rows repeat each
+    value twice (repeat_interleave), so every other column is the table."""
+    x = m["x"]
+    seq, d = x.type.shape[-2:]
+    for name in ("cos", "sin"):
+        t = m[name].type
+        if t.rank < 2 or t.shape[-2:] != (seq, d):
+            return f"{name} table {t} is not [.., {seq}, {d}]"
+    cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
+    if cos is None or sin is None:
+        return "the cos/sin tables vary along batch or heads"
+    if not (torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2])):
+        return "the cos/sin columns do not come in equal pairs: not an interleaved RoPE"
+    return cos[:, 0::2], sin[:, 0::2]
+
+
+def _every_two_check(m: Match) -> str | None:
+    x, e, o, cat = m["x"], m.node("xe"), m.node("xo"), m.node("cat")
+    if x.type.rank != 4 or m.matched[0].outputs[0].type != x.type or m.node("flat").outputs[0].type != x.type:
+        return "x is not [batch, heads, seq, dim], or the rotation has another shape"
+    if not (_last(e) and _last(o)):
+        return "the pairs are not taken along the last axis"
+    ea, oa = _attrs(e), _attrs(o)
+    if (ea["start"], ea["step"], oa["start"], oa["step"]) != (0, 2, 1, 2):
+        return "the slices are not the even/odd elements"
+    # stack([-odd, even], dim=-1): pair i of the result is (-x[2i+1], x[2i])
+    half = e.outputs[0].type.shape
+    if any(v.type.shape != half + (1,) for v in cat.inputs) or not _last(cat):
+        return "the pairs are not stacked along a new last axis"
+    data = _every_two_data(m)
+    return data if isinstance(data, str) else None
+
+
+def _every_two_rewrite(b: Builder, m: Match) -> Value:
+    data = _every_two_data(m)
+    assert not isinstance(data, str), data  # the check refused this already
+    x, dt = m["x"], m["x"].type.dtype.torch
+    tables = [b.const(f"{m[k].name}_lut", t.to(dt).contiguous()) for k, t in zip(("cos", "sin"), data, strict=True)]
+    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "interleaved"})
+
+
+def _every_two_pattern() -> object:
+    xe, xo = op("slice", var("x"), bind="xe"), op("slice", var("x"), bind="xo")
+    pairs = op("concat", op("reshape", op("neg", xo)), op("reshape", xe), bind="cat")
+    rot = op("reshape", pairs, bind="flat")
+    return op("add", op("mul", var("x"), var("cos", _const)), op("mul", rot, var("sin", _const)))
+
+
 # -- complex pairs: interleaved in, interleaved out --------------------------------------------
 
 def _complex_check(m: Match) -> str | None:
@@ -242,6 +348,8 @@ class RoPEFusion(RewritePass):
             Rule("rope-half", _half_pattern(), _lut("half", half_width=False), _half_check),
             Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", half_width=True), _pairs_check),
             Rule("rope-complex", _complex_pattern(), _complex_rewrite, _complex_check),
+            Rule("rope-every-two", _every_two_pattern(), _every_two_rewrite, _every_two_check),
+            Rule("rope-split-halves", _split_pattern(), _split_rewrite, _split_check),
             Rule("rope-onnx", onnx3, _onnx_rewrite, _onnx_check),
             Rule("rope-onnx-positions", onnx4, _onnx_rewrite, _onnx_check),
         ]

@@ -80,8 +80,8 @@ def test_one_export_gives_what_three_traces_give(arch: str, hf_checkpoints: dict
     loaded = driver._load(ckpt, None)
     static_prefill = driver._import(loaded, driver._export(loaded, {"input_ids": (1, 8)}))
     static_decode, static_tables = driver._decode_inputs(ckpt, static_prefill, 24, None, loaded)
-    assert len(tables) == len(static_tables) >= 1
-    for (c, s), (sc, ss) in zip(tables, static_tables, strict=True):
+    assert len(tables.tables) == len(static_tables.tables) >= 1 and tables.windows == static_tables.windows
+    for (c, s), (sc, ss) in zip(tables.tables, static_tables.tables, strict=True):
         assert c.shape[0] == 24 and torch.equal(c, sc) and torch.equal(s, ss)
     for static, one in ((static_prefill, prefill), (static_decode, decode)):
         assert [v.type for v in one.inputs] == [v.type for v in static.inputs]

@@ -223,3 +223,32 @@ def test_more_ops_match_eager(tmp_path: Path) -> None:
     out = npuc.load(npuc.compile(m, input_shape="x:2,4,8;b:2,4,8", output=str(tmp_path / "o"))).run({"x": x, "b": b})
     for got, want in zip(out.values(), m(x, b), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class MathOps(nn.Module):
+    """What compiler/torch_math.py writes out in IR ops: logsumexp (with and without keepdim,
+    over large values), floor/ceil/round/trunc, sign, floor division of floats and of integers
+    (negative ones round down), div with rounding modes, unbind, scalar_tensor, select_scatter,
+    multiply, triu/tril."""
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        big = x * 100
+        parts = torch.unbind(x, dim=1)
+        return (torch.logsumexp(big, dim=-1), torch.logsumexp(x, dim=(1, 2), keepdim=True),
+                torch.floor(x * 3) + torch.ceil(x * 3) + torch.round(x * 3) + torch.trunc(x * 3) + torch.sign(x),
+                torch.floor_divide(x * 7, 2.5), torch.div(x * 7, -2, rounding_mode="trunc"),
+                torch.floor_divide(n, 3), torch.div(n, 4, rounding_mode="trunc"), torch.floor(n),
+                parts[0] - parts[3], x + torch.scalar_tensor(2.5),
+                torch.select_scatter(x, parts[1] * 2, 1, 2), torch.multiply(x, x),
+                torch.triu(x, 1) + torch.tril(x, -2) + torch.tril(x))
+
+
+def test_math_ops_match_eager(tmp_path: Path) -> None:
+    m = MathOps().eval()
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(4))
+    n = torch.arange(-16, 16).reshape(2, 16)
+    om = npuc.compile(m, input_shape="x:2,4,8;n:2,16", input_dtypes={"n": torch.int64}, output=str(tmp_path / "m"))
+    out = npuc.load(om).run({"x": x, "n": n})
+    for got, want in zip(out.values(), m(x, n), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

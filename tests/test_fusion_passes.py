@@ -1051,6 +1051,95 @@ def test_rope_deinterleave_refuses_tables_that_vary_along_heads() -> None:
             {"cos": cos, "sin": PAIRS_DATA["sin"]})
 
 
+ROPE_EVERY_TWO = """
+    graph main(%x : f32[1,2,4,8]) {
+      const @cos : f32[1,1,4,8]
+      const @sin : f32[1,1,4,8]
+      %xe : f32[1,2,4,4] = slice[axis=3, end=8, start=0, step=2](%x)
+      %xo : f32[1,2,4,4] = slice[axis=3, end=8, start=1, step=2](%x)
+      %n : f32[1,2,4,4] = neg(%xo)
+      %n1 : f32[1,2,4,4,1] = reshape[shape=[1,2,4,4,1]](%n)
+      %e1 : f32[1,2,4,4,1] = reshape[shape=[1,2,4,4,1]](%xe)
+      %p : f32[1,2,4,4,2] = concat[axis=4](%n1, %e1)
+      %r : f32[1,2,4,8] = reshape[shape=[1,2,4,8]](%p)
+      %xc : f32[1,2,4,8] = mul(%x, @cos)
+      %rs : f32[1,2,4,8] = mul(%r, @sin)
+      %y : f32[1,2,4,8] = add(%xc, %rs)
+      return %y
+    }
+    """
+EVERY_TWO_DATA = {"cos": FREQS.cos().repeat_interleave(2, -1)[None, None],
+                  "sin": FREQS.sin().repeat_interleave(2, -1)[None, None]}
+
+
+ROPE_SPLIT = """
+    graph main(%x : f32[1,2,4,8]) {
+      const @cos : f32[1,1,4,4]
+      const @sin : f32[1,1,4,4]
+      %a : f32[1,2,4,4], %b : f32[1,2,4,4] = split[axis=3, sizes=[4,4]](%x)
+      %ac : f32[1,2,4,4] = mul(%a, @cos)
+      %bs : f32[1,2,4,4] = mul(%b, @sin)
+      %f : f32[1,2,4,4] = sub(%ac, %bs)
+      %bc : f32[1,2,4,4] = mul(%b, @cos)
+      %as : f32[1,2,4,4] = mul(%a, @sin)
+      %s : f32[1,2,4,4] = add(%bc, %as)
+      %y : f32[1,2,4,8] = concat[axis=3](%f, %s)
+      return %y
+    }
+    """
+
+
+def test_rope_split_halves() -> None:
+    # -- rope-fusion (rope-split-halves): gpt-oss's rotation of the two halves of one split --
+    check(RoPEFusion(), ROPE_SPLIT, """
+        graph main(%x : f32[1,2,4,8]) {
+          const @cos : f32[1,1,4,4]
+          const @sin : f32[1,1,4,4]
+          const @cos_lut : f32[4,4]
+          const @sin_lut : f32[4,4]
+          const @positions_4 : i64[4]
+          %a : f32[1,2,4,4], %b : f32[1,2,4,4] = split[axis=3, sizes=[4,4]](%x)
+          %y : f32[1,2,4,8] = rope_lut[layout="half"](%x, @positions_4, @cos_lut, @sin_lut)
+          return %y
+        }
+        """, PAIRS_DATA, numerics=True)  # (the split, dead now, is dead-code elimination's)
+
+
+def test_rope_split_halves_refuses_an_uneven_split() -> None:
+    # -- rope-fusion: a split of 4 and 4 along the heads' axis, not the head dim --
+    src = ROPE_SPLIT.replace("%a : f32[1,2,4,4], %b : f32[1,2,4,4] = split[axis=3, sizes=[4,4]](%x)",
+                             "%x2 : f32[1,2,8,4] = reshape[shape=[1,2,8,4]](%x)\n"
+                             "      %a : f32[1,2,4,4], %b : f32[1,2,4,4] = split[axis=2, sizes=[4,4]](%x2)")
+    refuses(RoPEFusion(), src, "rope-split-halves",
+            "the split is not the two halves of the last axis of [batch, heads, seq, dim]", PAIRS_DATA)
+
+
+def test_rope_every_two() -> None:
+    # -- rope-fusion (rope-every-two): GPT-J's rotate_every_two (Cohere, GLM): stack([-odd, even], -1)
+    #    flattened, tables repeat_interleave'd: the interleaved layout, every other column the table --
+    check(RoPEFusion(), ROPE_EVERY_TWO, """
+        graph main(%x : f32[1,2,4,8]) {
+          const @cos : f32[1,1,4,8]
+          const @sin : f32[1,1,4,8]
+          const @cos_lut : f32[4,4]
+          const @sin_lut : f32[4,4]
+          const @positions_4 : i64[4]
+          %y : f32[1,2,4,8] = rope_lut[layout="interleaved"](%x, @positions_4, @cos_lut, @sin_lut)
+          return %y
+        }
+        """, EVERY_TWO_DATA, numerics=True)
+
+
+def test_rope_every_two_refuses_halves_and_unpaired_tables() -> None:
+    # -- rope-fusion: (even, -odd) is the other rotation; tables whose columns are not in pairs --
+    swapped = ROPE_EVERY_TWO.replace("concat[axis=4](%n1, %e1)", "concat[axis=4](%e1, %n1)")
+    res = RoPEFusion()(load(swapped, EVERY_TWO_DATA))
+    assert "rope_lut" not in [n.op for n in res.graph.nodes]
+    refuses(RoPEFusion(), ROPE_EVERY_TWO, "rope-every-two",
+            "the cos/sin columns do not come in equal pairs: not an interleaved RoPE",
+            {"cos": FREQS.cos().repeat(1, 2)[None, None], "sin": FREQS.sin().repeat(1, 2)[None, None]})
+
+
 ROPE_COMPLEX = """
     graph main(%x : f32[1,2,4,8]) {
       const @cos : f32[1,1,4,4,1]
@@ -1239,6 +1328,21 @@ def test_attention_sdpa_with_a_causal_mask(mtype: str, mask: torch.Tensor) -> No
         graph main(%q : f32[1,2,4,8], %k : f32[1,2,4,8], %v : f32[1,2,4,8]) {{
           const @mask : {mtype}
           %y : f32[1,2,4,8] = fused_attention[causal=true, scale=0.25](%q, %k, %v)
+          return %y
+        }}
+        """, {"mask": mask}, numerics=True)
+
+
+@pytest.mark.parametrize("boolean", [False, True], ids=["additive", "bool"])
+def test_attention_sdpa_with_a_sliding_window_band(boolean: bool) -> None:
+    # -- attention-fusion: the causal band of a 2-key sliding window (query i sees keys i-1..i)
+    #    becomes causal=true, window=2 and no operand --
+    band = torch.ones(4, 4, dtype=torch.bool).tril() & ~torch.ones(4, 4, dtype=torch.bool).tril(-2)
+    mask, mtype = (band, "bool[4,4]") if boolean else (torch.zeros(4, 4).masked_fill(~band, -math.inf), "f32[4,4]")
+    check(AttentionFusion(), SDPA_MASK.format(mask=mtype), f"""
+        graph main(%q : f32[1,2,4,8], %k : f32[1,2,4,8], %v : f32[1,2,4,8]) {{
+          const @mask : {mtype}
+          %y : f32[1,2,4,8] = fused_attention[causal=true, scale=0.25, window=2](%q, %k, %v)
           return %y
         }}
         """, {"mask": mask}, numerics=True)
@@ -1477,6 +1581,104 @@ def test_attention_decomposed_3d_key_transpose_and_divided_scores() -> None:
           return %y
         }
         """, {"d": torch.tensor(4.0)}, numerics=True)
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["div", "mul-by-inverse"])
+def test_attention_decomposed_with_soft_capped_scores(divide: bool) -> None:
+    # -- attention-fusion (decomposed-attention): Gemma 2's soft-capped scores, cap * tanh(s / cap),
+    #    under a causal mask: softcap=cap; cap and divisor that differ are no soft-cap (left alone) --
+    by = "div(%ss, @cd)" if divide else "mul(%ss, @cd)"
+    src = f"""
+        graph main(%q : f32[1,2,4,16], %k : f32[1,2,4,16], %v : f32[1,2,4,16]) {{
+          const @c : f32[]
+          const @cd : f32[]
+          const @cap : f32[]
+          const @mask : f32[1,1,4,4]
+          %kt : f32[1,2,16,4] = transpose[perm=[0,1,3,2]](%k)
+          %s : f32[1,2,4,4] = matmul(%q, %kt)
+          %ss : f32[1,2,4,4] = mul(%s, @c)
+          %sc : f32[1,2,4,4] = {by}
+          %th : f32[1,2,4,4] = tanh(%sc)
+          %cp : f32[1,2,4,4] = mul(%th, @cap)
+          %sm_in : f32[1,2,4,4] = add(%cp, @mask)
+          %sm : f32[1,2,4,4] = softmax[axis=3](%sm_in)
+          %y : f32[1,2,4,16] = matmul(%sm, %v)
+          return %y
+        }}
+        """
+    data = {"c": torch.tensor(0.25), "cd": torch.tensor(2.0 if divide else 0.5), "cap": torch.tensor(2.0),
+            "mask": causal(4, 4)[None, None]}
+    check(AttentionFusion(), src, """
+        graph main(%q : f32[1,2,4,16], %k : f32[1,2,4,16], %v : f32[1,2,4,16]) {
+          const @c : f32[]
+          const @cd : f32[]
+          const @cap : f32[]
+          const @mask : f32[1,1,4,4]
+          %y : f32[1,2,4,16] = fused_attention[causal=true, scale=0.25, softcap=2.0](%q, %k, %v)
+          return %y
+        }
+        """, data, numerics=True)
+    res = AttentionFusion()(load(src, {**data, "cap": torch.tensor(3.0)}))
+    assert [n.op for n in res.graph.nodes][-1] == "matmul"  # not fused
+
+
+SINKS = """
+    graph main(%q : f32[1,4,8,16], %k : f32[1,2,8,16], %v : f32[1,2,8,16]) {
+      const @c : f32[]
+      const @mask : f32[1,1,8,8]
+      const @sinks : f32[1,4,8,1]
+      %k5 : f32[1,2,1,8,16] = reshape[shape=[1,2,1,8,16]](%k)
+      %ke : f32[1,2,2,8,16] = expand[shape=[1,2,2,8,16]](%k5)
+      %kr : f32[1,4,8,16] = reshape[shape=[1,4,8,16]](%ke)
+      %v5 : f32[1,2,1,8,16] = reshape[shape=[1,2,1,8,16]](%v)
+      %ve : f32[1,2,2,8,16] = expand[shape=[1,2,2,8,16]](%v5)
+      %vr : f32[1,4,8,16] = reshape[shape=[1,4,8,16]](%ve)
+      %kt : f32[1,4,16,8] = transpose[perm=[0,1,3,2]](%kr)
+      %s : f32[1,4,8,8] = matmul(%q, %kt)
+      %ss : f32[1,4,8,8] = mul(%s, @c)
+      %sm_in : f32[1,4,8,8] = add(%ss, @mask)
+      %cat : f32[1,4,8,9] = concat[axis=3](%sm_in, @sinks)
+      %mx : f32[1,4,8,1] = reduce_max[axes=[3], keepdim=true](%cat)
+      %sh : f32[1,4,8,9] = sub(%cat, %mx)
+      %sm : f32[1,4,8,9] = softmax[axis=3](%sh)
+      %p : f32[1,4,8,8] = slice[axis=3, end=8, start=0, step=1](%sm)
+      %y : f32[1,4,8,16] = matmul(%p, %vr)
+      return %y
+    }
+    """
+SINK_LOGITS = torch.tensor([0.5, -1.0, 2.0, 0.0])
+SINKS_DATA = {"c": torch.tensor(0.25), "mask": causal(8, 8)[None, None],
+              "sinks": SINK_LOGITS[None, :, None, None].expand(1, 4, 8, 1).contiguous()}
+
+
+def test_attention_with_sinks() -> None:
+    # -- attention-fusion (attention-with-sinks): gpt-oss's per-head sink logits, a column joined to
+    #    the scores before the softmax and dropped after: sinks [heads] after a mask slot of zeros
+    #    (the causal mask is the flag); GQA's repeated k/v read from before the repeat --
+    res = check(AttentionFusion(), SINKS, """
+        graph main(%q : f32[1,4,8,16], %k : f32[1,2,8,16], %v : f32[1,2,8,16]) {
+          const @c : f32[]
+          const @mask : f32[1,1,8,8]
+          const @sinks : f32[1,4,8,1]
+          const @sinks_heads : f32[4]
+          const @no_mask : f32[]
+          %k5 : f32[1,2,1,8,16] = reshape[shape=[1,2,1,8,16]](%k)
+          %ke : f32[1,2,2,8,16] = expand[shape=[1,2,2,8,16]](%k5)
+          %kr : f32[1,4,8,16] = reshape[shape=[1,4,8,16]](%ke)
+          %v5 : f32[1,2,1,8,16] = reshape[shape=[1,2,1,8,16]](%v)
+          %ve : f32[1,2,2,8,16] = expand[shape=[1,2,2,8,16]](%v5)
+          %vr : f32[1,4,8,16] = reshape[shape=[1,4,8,16]](%ve)
+          %y : f32[1,4,8,16] = fused_attention[causal=true, scale=0.25](%q, %k, %v, @no_mask, @sinks_heads)
+          return %y
+        }
+        """, SINKS_DATA, numerics=True)
+    assert torch.equal(res.graph.constants["sinks_heads"].const.load(), SINK_LOGITS)  # type: ignore[union-attr]
+
+
+def test_attention_with_sinks_refuses_logits_that_vary_along_queries() -> None:
+    # -- attention-fusion: a sink column that is not one logit per head --
+    refuses(AttentionFusion(), SINKS, "attention-with-sinks", "the sink logits vary along batch or queries",
+            {**SINKS_DATA, "sinks": torch.randn(1, 4, 8, 1)})
 
 
 def test_attention_decomposed_3d_key_transpose_of_a_flat_key() -> None:

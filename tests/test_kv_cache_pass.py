@@ -365,7 +365,31 @@ def test_refuses_non_causal_prefill() -> None:
 
 
 def test_refuses_a_mask_in_prefill() -> None:
-    refused(build(4, mask=torch.zeros(1, 1, 4, 4)), match="mask")
+    # (one of zeros hides nothing: it stands where a mask slot must be filled, before sinks)
+    refused(build(4, mask=torch.zeros(1, 1, 4, 4).index_fill(3, torch.tensor([0]), float("-inf"))), match="mask")
+
+
+def test_refuses_fewer_attentions_than_layers() -> None:
+    # A layer that mixes tokens some other way (linear attention) would decode without its past.
+    with pytest.raises(NpucError, match=f"{LAYERS} fused attention\\(s\\) for {LAYERS + 1} layers"):
+        KVCache("prefill", CACHE, [TABLES], 0, layers=LAYERS + 1)(build(4))
+
+
+def test_refuses_a_mask_at_the_cache_length_that_is_no_window() -> None:
+    with pytest.raises(NpucError, match="neither causal nor a sliding window"):
+        KVCache("decode", CACHE, [TABLES], TRACE, windows=[None] * LAYERS)(build(1, TRACE))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_window_wider_than_the_trace_comes_from_the_cache_length(role: str) -> None:
+    # prefill of 4 under a window of 6: causal here, a band at the cache length
+    g = build(4) if role == "prefill" else build(1, TRACE)
+    res = KVCache(role, CACHE, [TABLES], 0 if role == "prefill" else TRACE, windows=[6] * LAYERS)(g)
+    ops = [n for n in res.graph.nodes if n.op in ("fused_attention", "cached_attention")]
+    assert len(ops) == LAYERS and all(n.attrs["window"] == 6 for n in ops)
+    # a window at the cache length that the prefill's own mask contradicts
+    with pytest.raises(NpucError, match="window 0 here and 2"):
+        KVCache("prefill", CACHE, [TABLES], 0, windows=[2] * LAYERS)(build(4))
 
 
 def test_refuses_a_multi_token_decode() -> None:
