@@ -619,15 +619,19 @@ def _masked_fill(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
                     like=node)
 
 
+def reduce_axes(dims: Any, rank: int) -> tuple[int, ...]:
+    """A reduction's `dim` argument (one, several, or none: every axis) as sorted axes."""
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # torch: none given, all reduced
+        dims = list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted(d % rank for d in dims))
+
+
 def _reduction(op: str) -> Converter:
     def conv(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
         x = ctx.cast(ctx.value(a["self"]), _out_dtype(node))
-        dims = a.get("dim")
-        if dims is None or dims == []:
-            dims = list(range(x.type.rank))
-        if isinstance(dims, int):
-            dims = [dims]
-        axes = tuple(sorted(d % x.type.rank for d in dims))
+        axes = reduce_axes(a.get("dim"), x.type.rank)
         return ctx.emit(op, [x], {"axes": axes, "keepdim": bool(a.get("keepdim", False))}, like=node)
 
     return conv

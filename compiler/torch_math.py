@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from npuc.compiler.torch_frontend import _Ctx, _meta_type, _out_dtype, converts
+from npuc.compiler.torch_frontend import _Ctx, _meta_type, _out_dtype, converts, reduce_axes
 from npuc.errors import EXIT_UNSUPPORTED, NpucError
 from npuc.ir import Value
 
@@ -114,8 +114,7 @@ def _div_mode(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
 def _logsumexp(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     dt = _out_dtype(node)
     x = ctx.cast(ctx.value(a["self"]), dt)
-    dims = a["dim"] if isinstance(a["dim"], (list, tuple)) else [a["dim"]]
-    axes = tuple(sorted(d % max(x.type.rank, 1) for d in dims)) if dims else tuple(range(x.type.rank))
+    axes = reduce_axes(a["dim"], x.type.rank)
     keep = bool(a.get("keepdim", False))
     # Shifted by the maximum, as torch does, so that large logits do not overflow exp.
     m = ctx.emit("reduce_max", [x], {"axes": axes, "keepdim": True}, name=f"{node.name}_max")

@@ -39,7 +39,19 @@ import torch
 
 from npuc.ir import DType, Value, get_op
 from npuc.ir.ops import ShapeError, broadcast, window_mask
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, op, opt, var
+from npuc.passes.rewrite import (
+    Builder,
+    Match,
+    RewritePass,
+    Rule,
+    any_of,
+    const,
+    is_const,
+    last_axis,
+    op,
+    opt,
+    var,
+)
 
 
 def _scalar(v: Value) -> bool:
@@ -298,14 +310,10 @@ def _sinks_pattern() -> object:
     scores = op("matmul", _scaled(var("q"), "cq"), _scaled(_kt("k"), "ck"), bind="qk")
     scaled = _scaled(scores, "cs")
     masked = any_of(op("add", scaled, var("mask")), scaled)
-    cat = op("concat", masked, var("sinks", _const_value), bind="cat")
+    cat = op("concat", masked, var("sinks", is_const), bind="cat")
     shifted = any_of(op("sub", cat, op("reduce_max", cat, bind="max")), cat)
     probs = op("slice", op("softmax", shifted, bind="sm", axis=lambda a: a in (3, -1)), bind="drop")
     return op("matmul", opt("cast", probs), var("v"))
-
-
-def _const_value(v: Value) -> bool:
-    return v.is_const
 
 
 def _sink_logits(m: Match) -> torch.Tensor | str:
@@ -326,10 +334,10 @@ def _sinks_check(m: Match) -> str | None:
         return bad
     cat, drop = m.node("cat"), m.node("drop")
     length = m["qk"].type.shape[-1]
-    if not _last_axis(cat) or cat.outputs[0].type.shape[-1] != length + 1:
+    if not last_axis(cat) or cat.outputs[0].type.shape[-1] != length + 1:
         return "the sinks are not one more column of the scores"
     d = get_op("slice").full_attrs(drop.attrs)
-    if d["axis"] % 4 != 3 or (d["start"], d["end"], d["step"]) != (0, length, 1):
+    if not last_axis(drop) or (d["start"], d["end"], d["step"]) != (0, length, 1):
         return "the probabilities kept are not the scores' columns"
     if "max" in m.nodes:
         a = get_op("reduce_max").full_attrs(m.node("max").attrs)
@@ -337,11 +345,6 @@ def _sinks_check(m: Match) -> str | None:
             return "the shift is not the maximum over the keys"
     sinks = _sink_logits(m)
     return sinks if isinstance(sinks, str) else None
-
-
-def _last_axis(n: object) -> bool:
-    a = get_op("concat").full_attrs(n.attrs)  # type: ignore[attr-defined]
-    return int(a["axis"]) % n.outputs[0].type.rank == n.outputs[0].type.rank - 1  # type: ignore[attr-defined]
 
 
 def _sinks_rewrite(b: Builder, m: Match) -> Value:

@@ -102,6 +102,17 @@ def opt(name: str, inner: Pat, bind: str | None = None) -> Opt:
     return Opt(name, inner, bind)
 
 
+def is_const(v: Value) -> bool:
+    """A `var` predicate: a graph constant."""
+    return v.is_const
+
+
+def last_axis(n: Node, key: str = "axis") -> bool:
+    """Whether a matched node's axis attribute (`key`, its default filled in) is its result's last."""
+    rank = n.outputs[0].type.rank
+    return int(get_op(n.op).full_attrs(n.attrs)[key]) % rank == rank - 1
+
+
 # -- matching ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)

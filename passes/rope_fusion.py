@@ -49,24 +49,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from npuc.ir import Node, Value, get_op
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, op, var
-
-
-def _const(v: Value) -> bool:
-    return v.is_const
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, is_const, last_axis, op, var
 
 
 def _attrs(n: Node) -> dict[str, object]:
     return get_op(n.op).full_attrs(n.attrs)
-
-
-def _last(n: Node, key: str = "axis") -> bool:
-    rank = n.outputs[0].type.rank
-    return int(_attrs(n)[key]) % rank == rank - 1  # type: ignore[call-overload]
 
 
 def _rows(t: torch.Tensor, seq: int) -> torch.Tensor | None:
@@ -79,22 +71,31 @@ def _rows(t: torch.Tensor, seq: int) -> torch.Tensor | None:
     return flat[0]
 
 
-def _table_data(m: Match, x: Value, half_width: bool) -> tuple[torch.Tensor, torch.Tensor] | str:
+# How the matched cos/sin columns hold the [positions, rotary_dim/2] table: as they are
+# (half width), twice over in halves (rotate_half's), or each value twice (repeat_interleave's).
+Fold = Literal["none", "halves", "pairs"]
+
+
+def _table_data(m: Match, x: Value, fold: Fold) -> tuple[torch.Tensor, torch.Tensor] | str:
     """The [positions, rotary_dim/2] tables behind the broadcast cos/sin constants, or why not."""
     seq = x.type.shape[-2]
     cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
     if cos is None or sin is None:
         return "the cos/sin tables vary along batch or heads"
-    if not half_width:
+    if fold == "halves":
         h = cos.shape[-1] // 2
         if cos.shape[-1] % 2 or not (torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])):
             return "the cos/sin halves differ: not a rotate_half RoPE"
         cos, sin = cos[:, :h], sin[:, :h]
+    elif fold == "pairs":
+        if not (torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2])):
+            return "the cos/sin columns do not come in equal pairs: not an interleaved RoPE"
+        cos, sin = cos[:, 0::2], sin[:, 0::2]
     return cos, sin
 
 
-def _tables(b: Builder, m: Match, x: Value, half_width: bool) -> tuple[Value, Value]:
-    data = _table_data(m, x, half_width)
+def _tables(b: Builder, m: Match, x: Value, fold: Fold) -> tuple[Value, Value]:
+    data = _table_data(m, x, fold)
     assert not isinstance(data, str), data  # the rule's check refused this already
     dt = x.type.dtype.torch
     return (b.const(f"{m['cos'].name}_lut", data[0].to(dt).contiguous()),
@@ -105,8 +106,13 @@ def _positions(b: Builder, seq: int) -> Value:
     return b.const(f"positions_{seq}", torch.arange(seq, dtype=torch.int64))
 
 
-def _check_tables(m: Match, half_width: bool) -> str | None:
-    x = m["x"]
+def _x(m: Match) -> Value:
+    return m["x"]
+
+
+def _check_tables(m: Match, fold: Fold, x: Value | None = None) -> str | None:
+    """x (the matched `x` unless given) and the tables a RoPE of it reads, or why they do not fit."""
+    x = _x(m) if x is None else x
     if x.type.rank != 4:
         return "x is not [batch, heads, seq, dim]"
     if m.matched[0].outputs[0].type != x.type:
@@ -114,10 +120,10 @@ def _check_tables(m: Match, half_width: bool) -> str | None:
     seq, d = x.type.shape[-2:]
     for name in ("cos", "sin"):
         t = m[name].type
-        want = d // 2 if half_width else d
+        want = d // 2 if fold == "none" else d
         if t.rank < 2 or t.shape[-2:] != (seq, want):
             return f"{name} table {t} is not [.., {seq}, {want}]"
-    data = _table_data(m, x, half_width)
+    data = _table_data(m, x, fold)
     return data if isinstance(data, str) else None
 
 
@@ -126,20 +132,21 @@ def _check_tables(m: Match, half_width: bool) -> str | None:
 def _half_check(m: Match) -> str | None:
     x, lo, hi = m["x"], m.node("lo"), m.node("hi")
     d = x.type.shape[-1]
-    if not (_last(lo) and _last(hi) and _last(m.node("cat"))):
+    if not (last_axis(lo) and last_axis(hi) and last_axis(m.node("cat"))):
         return "the halves are not taken along the last axis"
     la, ha = _attrs(lo), _attrs(hi)
     if (la["start"], la["end"], la["step"]) != (0, d // 2, 1) or (ha["start"], ha["end"], ha["step"]) != (d // 2, d, 1):
         return "the slices are not the two halves of the head dim"
-    return _check_tables(m, half_width=False)
+    return _check_tables(m, "halves")
 
 
-def _lut(layout: str, half_width: bool) -> Callable[[Builder, Match], Value]:
-    """The rewrite of a matched RoPE: rope_lut over the tables, at positions 0..seq-1."""
+def _lut(layout: str, fold: Fold, source: Callable[[Match], Value] = _x) -> Callable[[Builder, Match], Value]:
+    """The rewrite of a matched RoPE: rope_lut over the tables, at positions 0..seq-1, of the
+    x that `source` finds."""
 
     def rewrite(b: Builder, m: Match) -> Value:
-        x = m["x"]
-        tables = _tables(b, m, x, half_width)
+        x = source(m)
+        tables = _tables(b, m, x, fold)
         return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": layout})
 
     return rewrite
@@ -147,24 +154,24 @@ def _lut(layout: str, half_width: bool) -> Callable[[Builder, Match], Value]:
 
 def _half_pattern() -> object:
     rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
-    return op("add", op("mul", var("x"), var("cos", _const)), op("mul", rot, var("sin", _const)))
+    return op("add", op("mul", var("x"), var("cos", is_const)), op("mul", rot, var("sin", is_const)))
 
 
 # -- DeepSeek: interleaved pairs in, halves out ------------------------------------------------
 
 def _pairs_check(m: Match) -> str | None:
     e, o = m.node("xe"), m.node("xo")
-    if not (_last(e) and _last(o) and _last(m.node("cat"))):
+    if not (last_axis(e) and last_axis(o) and last_axis(m.node("cat"))):
         return "the pairs are not taken along the last axis"
     ea, oa = _attrs(e), _attrs(o)
     if (ea["start"], ea["step"], oa["start"], oa["step"]) != (0, 2, 1, 2):
         return "the slices are not the even/odd elements"
-    return _check_tables(m, half_width=True)
+    return _check_tables(m, "none")
 
 
 def _pairs_pattern() -> object:
     xe, xo = op("slice", var("x"), bind="xe"), op("slice", var("x"), bind="xo")
-    cos, sin = var("cos", _const), var("sin", _const)
+    cos, sin = var("cos", is_const), var("sin", is_const)
     real = op("sub", op("mul", xe, cos), op("mul", xo, sin))
     imag = op("add", op("mul", xo, cos), op("mul", xe, sin))
     return op("concat", real, imag, bind="cat")
@@ -182,16 +189,10 @@ def _split_source(m: Match) -> Value | str:
     x = sp.inputs[0]
     d = x.type.shape[-1] if x.type.rank else 0
     sizes = _attrs(sp)["sizes"]
-    if x.type.rank != 4 or not (_last(sp) and _last(m.node("cat"))) or list(sizes) != [d // 2, d // 2]:  # type: ignore[call-overload]
+    if x.type.rank != 4 or not (last_axis(sp) and last_axis(m.node("cat"))) or list(sizes) != [d // 2, d // 2]:  # type: ignore[call-overload]
         return "the split is not the two halves of the last axis of [batch, heads, seq, dim]"
-    if m.matched[0].outputs[0].type != x.type:
-        return "the tables broadcast x to another shape"
-    seq = x.type.shape[-2]
-    for name in ("cos", "sin"):
-        if m[name].type.rank < 2 or m[name].type.shape[-2:] != (seq, d // 2):
-            return f"{name} table {m[name].type} is not [.., {seq}, {d // 2}]"
-    data = _table_data(m, x, half_width=True)
-    return data if isinstance(data, str) else x
+    bad = _check_tables(m, "none", x)
+    return bad if bad is not None else x
 
 
 def _split_check(m: Match) -> str | None:
@@ -199,16 +200,15 @@ def _split_check(m: Match) -> str | None:
     return x if isinstance(x, str) else None
 
 
-def _split_rewrite(b: Builder, m: Match) -> Value:
+def _split_x(m: Match) -> Value:
     x = _split_source(m)
     assert not isinstance(x, str), x  # the check refused this already
-    tables = _tables(b, m, x, half_width=True)
-    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "half"})
+    return x
 
 
 def _split_pattern() -> object:
     a, b = var("a"), var("b")  # the two outputs of one split (a node the pattern cannot match twice)
-    cos, sin = var("cos", _const), var("sin", _const)
+    cos, sin = var("cos", is_const), var("sin", is_const)
     first = op("sub", op("mul", a, cos), op("mul", b, sin))
     second = op("add", op("mul", b, cos), op("mul", a, sin))
     return op("concat", first, second, bind="cat")
@@ -216,53 +216,27 @@ def _split_pattern() -> object:
 
 # -- every two (GPT-J, Cohere, GLM): interleaved in, interleaved out ---------------------------
 
-def _every_two_data(m: Match) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """The [positions, d/2] tables of an interleaved RoPE: the cos/sin rows repeat each
-    value twice (repeat_interleave), so every other column is the table."""
-    x = m["x"]
-    seq, d = x.type.shape[-2:]
-    for name in ("cos", "sin"):
-        t = m[name].type
-        if t.rank < 2 or t.shape[-2:] != (seq, d):
-            return f"{name} table {t} is not [.., {seq}, {d}]"
-    cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
-    if cos is None or sin is None:
-        return "the cos/sin tables vary along batch or heads"
-    if not (torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2])):
-        return "the cos/sin columns do not come in equal pairs: not an interleaved RoPE"
-    return cos[:, 0::2], sin[:, 0::2]
-
-
 def _every_two_check(m: Match) -> str | None:
     x, e, o, cat = m["x"], m.node("xe"), m.node("xo"), m.node("cat")
     if x.type.rank != 4 or m.matched[0].outputs[0].type != x.type or m.node("flat").outputs[0].type != x.type:
         return "x is not [batch, heads, seq, dim], or the rotation has another shape"
-    if not (_last(e) and _last(o)):
+    if not (last_axis(e) and last_axis(o)):
         return "the pairs are not taken along the last axis"
     ea, oa = _attrs(e), _attrs(o)
     if (ea["start"], ea["step"], oa["start"], oa["step"]) != (0, 2, 1, 2):
         return "the slices are not the even/odd elements"
     # stack([-odd, even], dim=-1): pair i of the result is (-x[2i+1], x[2i])
     half = e.outputs[0].type.shape
-    if any(v.type.shape != half + (1,) for v in cat.inputs) or not _last(cat):
+    if any(v.type.shape != half + (1,) for v in cat.inputs) or not last_axis(cat):
         return "the pairs are not stacked along a new last axis"
-    data = _every_two_data(m)
-    return data if isinstance(data, str) else None
-
-
-def _every_two_rewrite(b: Builder, m: Match) -> Value:
-    data = _every_two_data(m)
-    assert not isinstance(data, str), data  # the check refused this already
-    x, dt = m["x"], m["x"].type.dtype.torch
-    tables = [b.const(f"{m[k].name}_lut", t.to(dt).contiguous()) for k, t in zip(("cos", "sin"), data, strict=True)]
-    return b.op("rope_lut", [x, _positions(b, x.type.shape[-2]), *tables], {"layout": "interleaved"})
+    return _check_tables(m, "pairs")
 
 
 def _every_two_pattern() -> object:
     xe, xo = op("slice", var("x"), bind="xe"), op("slice", var("x"), bind="xo")
     pairs = op("concat", op("reshape", op("neg", xo)), op("reshape", xe), bind="cat")
     rot = op("reshape", pairs, bind="flat")
-    return op("add", op("mul", var("x"), var("cos", _const)), op("mul", rot, var("sin", _const)))
+    return op("add", op("mul", var("x"), var("cos", is_const)), op("mul", rot, var("sin", is_const)))
 
 
 # -- complex pairs: interleaved in, interleaved out --------------------------------------------
@@ -276,7 +250,7 @@ def _complex_check(m: Match) -> str | None:
     seq, d = y.shape[-2:]
     if d % 2 or m.node("p").outputs[0].type.shape != y.shape[:-1] + (d // 2, 2):
         return "x is not viewed as [.., d/2, 2] pairs"
-    if not (_last(m.node("re")) and _last(m.node("im")) and _last(m.node("cat"))):
+    if not (last_axis(m.node("re")) and last_axis(m.node("im")) and last_axis(m.node("cat"))):
         return "the parts are not taken along the pairs' axis"
     ra, ia = _attrs(m.node("re")), _attrs(m.node("im"))
     if (ra["start"], ra["end"], ra["step"], ia["start"], ia["end"], ia["step"]) != (0, 1, 1, 1, 2, 1):
@@ -306,7 +280,7 @@ def _complex_rewrite(b: Builder, m: Match) -> Value:
 def _complex_pattern() -> object:
     pairs = op("reshape", var("x"), bind="p")
     re, im = op("slice", pairs, bind="re"), op("slice", pairs, bind="im")
-    cos, sin = var("cos", _const), var("sin", _const)
+    cos, sin = var("cos", is_const), var("sin", is_const)
     real = op("sub", op("mul", re, cos), op("mul", im, sin))
     imag = op("add", op("mul", re, sin), op("mul", im, cos))
     return op("reshape", op("concat", real, imag, bind="cat"))
@@ -342,14 +316,14 @@ class RoPEFusion(RewritePass):
     name = "rope-fusion"
 
     def rules(self) -> Sequence[Rule]:
-        onnx3 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), bind="rot")
-        onnx4 = op("rotary_embedding", var("x"), var("cos", _const), var("sin", _const), var("pos"), bind="rot")
+        onnx3 = op("rotary_embedding", var("x"), var("cos", is_const), var("sin", is_const), bind="rot")
+        onnx4 = op("rotary_embedding", var("x"), var("cos", is_const), var("sin", is_const), var("pos"), bind="rot")
         return [
-            Rule("rope-half", _half_pattern(), _lut("half", half_width=False), _half_check),
-            Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", half_width=True), _pairs_check),
+            Rule("rope-half", _half_pattern(), _lut("half", "halves"), _half_check),
+            Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", "none"), _pairs_check),
             Rule("rope-complex", _complex_pattern(), _complex_rewrite, _complex_check),
-            Rule("rope-every-two", _every_two_pattern(), _every_two_rewrite, _every_two_check),
-            Rule("rope-split-halves", _split_pattern(), _split_rewrite, _split_check),
+            Rule("rope-every-two", _every_two_pattern(), _lut("interleaved", "pairs"), _every_two_check),
+            Rule("rope-split-halves", _split_pattern(), _lut("half", "none", _split_x), _split_check),
             Rule("rope-onnx", onnx3, _onnx_rewrite, _onnx_check),
             Rule("rope-onnx-positions", onnx4, _onnx_rewrite, _onnx_check),
         ]
