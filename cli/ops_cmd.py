@@ -19,7 +19,7 @@ def render_ops() -> str:
 
     ops = all_ops()
     lines = ["# Supported operators", "", "## npuc IR ops", "",
-             "Each is declared once in `ir/ops.py`: shape rule, torch reference kernel, FLOPs and unit.", "",
+             "Each is declared once in `ir/ops.py` (primitives) or `ir/fused_ops.py` (fused ops): shape rule, torch reference kernel, FLOPs and unit.", "",
              "| op | inputs | attributes | unit |", "|---|---|---|---|"]
     for n in sorted(ops):
         o = ops[n]

@@ -62,7 +62,9 @@ def _trace(loaded: LoadedModel, kwargs: dict[str, Any], fixed: Mapping[str, Any]
            dynamic_shapes: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
     """torch.export of the module on `kwargs`, with `fixed` kwargs as constants; static
     traces come back decomposed (functional ATen), dynamic ones as traced."""
-    bound = {k: v for k, v in fixed.items() if isinstance(v, torch.Tensor)}
+    # With dynamic shapes every fixed kwarg is bound: torch.export cannot take the spec of one
+    # that forward reads through **kwargs (GPT's use_cache).
+    bound = {k: v for k, v in fixed.items() if isinstance(v, torch.Tensor) or dynamic_shapes is not None}
     kwargs = {**kwargs, **{k: v for k, v in fixed.items() if k not in bound}}
     if dynamic_shapes is not None:
         dynamic_shapes = {**{k: None for k in kwargs}, **dynamic_shapes}
@@ -273,9 +275,11 @@ def _rope_tables(full: Graph) -> LongTrace:
     full = instrument.run_pipeline(full, rope_table_pipeline()).graph
     tables: list[tuple[torch.Tensor, torch.Tensor]] = []
     windows: list[int | None] = []
+    alibi: list[tuple[float, ...]] = []
     for n in full.nodes:
         if n.op in ("mla_attention", "fused_attention"):
             windows.append(_long_window(full, n))
+            alibi.append(tuple(n.attrs.get("alibi", ())))
             if windows[-1] == UNCHECKED:
                 log.warning("attention %s: its mask at --max_seq_len is too large to check for a sliding "
                             "window; decode attends every cached position", n.name)
@@ -284,7 +288,7 @@ def _rope_tables(full: Graph) -> LongTrace:
         c, s = (v.const.load() for v in n.inputs[2:] if v.const is not None)
         if not any(torch.equal(c, tc) and torch.equal(s, ts) for tc, ts in tables):
             tables.append((c, s))
-    return LongTrace(tables, windows)
+    return LongTrace(tables, windows, alibi=alibi if any(alibi) else ())
 
 
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
@@ -705,7 +709,7 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, trace.tables, position, trace.windows,
-                                     trace.decode_positions, trace.layers) if trace else
+                                     trace.decode_positions, trace.layers, trace.alibi) if trace else
                              KVCache(role, cache_len, (), position),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations)

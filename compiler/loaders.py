@@ -11,11 +11,11 @@ becomes a `QuantizedWeight` over its packed tensors (compiler/quant_import.py).
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import os
-import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,44 +100,72 @@ def _experts_source(name: str, shape: tuple[int, ...], dtype: torch.dtype, index
     return StackedExpertsSource(parts)
 
 
-def _checkpoint_conversions(transformers: Any, module: nn.Module, keys: Iterable[str]
-                            ) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
-    """How transformers' from_pretrained maps this checkpoint's names onto the module (5.x:
-    `transformers.conversion_mapping`), lazily: (module name -> stored name for every stored
-    key a renaming changes, fused experts parameter -> the per-expert parts it stacks and
-    concatenates). Other conversions are not applied (their weights are reported missing);
-    a transformers without the mapping renames nothing."""
+class ConvertedSource:
+    """A parameter that from_pretrained builds from stored tensors through one of transformers'
+    WeightConverters (experts stacked and concatenated, q/k/v convs joined, a vocabulary
+    unpadded...): the same converter runs on the stored tensors when the weight is read."""
+
+    in_memory = False
+
+    def __init__(self, converter: Any, first: str, target: str, parts: list[tuple[str, SafetensorsSource]],
+                 module: nn.Module) -> None:
+        self.converter, self.first, self.target, self.parts, self.module = converter, first, target, parts, module
+
+    def load(self) -> torch.Tensor:
+        conv = copy.deepcopy(self.converter)
+        for pattern, src in self.parts:
+            conv.add_tensor(self.first, src.key, pattern, src.load)  # a callable: read when converted
+        out = conv.convert(self.first, model=self.module, config=getattr(self.module, "config", None))
+        t = out[self.target]
+        t = t[0] if isinstance(t, list) else t
+        return t.to(self.parts[0][1].dtype).contiguous()
+
+    def describe(self) -> str:
+        # Names the target: one stored tensor split into several (q, k, v) is several weights.
+        first = self.parts[0][1]
+        return f"{self.target} converted from {len(self.parts)} tensor(s): {first.describe()}..."
+
+
+def _checkpoint_conversions(transformers: Any, module: nn.Module, index: Mapping[str, Any]
+                            ) -> tuple[dict[str, str], dict[str, tuple[Any, str, list[tuple[str, str]]]]] | None:
+    """How from_pretrained maps this checkpoint's names onto the module (5.x), by transformers'
+    own renaming code and the model's conversion mapping, without reading a tensor:
+    (module name -> stored name for each renamed key, module name -> (converter, its first
+    target, [(source pattern, stored name)]) for each converted parameter). None where this
+    transformers has no such machinery (4.x: stored names are module names)."""
     try:
+        cml = importlib.import_module(f"{transformers.__name__}.core_model_loading")
         get = importlib.import_module(f"{transformers.__name__}.conversion_mapping").get_model_conversion_mapping
-    except (ImportError, AttributeError):
-        return {}, {}
-    try:
+        rename, natural = cml.rename_source_key, cml.dot_natural_key
         transforms = list(get(module))
-    except Exception:  # noqa: BLE001 - a version whose mapping cannot be had: nothing to rename
-        return {}, {}
-    renames: list[tuple[str, str]] = []
-    parts: dict[str, tuple[str, ...]] = {}
-    for t in transforms:
-        src, tgt = list(getattr(t, "source_patterns", [])), list(getattr(t, "target_patterns", []))
-        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(t, "operations", None) or []]
-        if type(t).__name__ == "WeightRenaming" and tgt and len(tgt) in (1, len(src)):
-            renames += [(s, tgt[0] if len(tgt) == 1 else tgt[i]) for i, s in enumerate(src)]
-        elif ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) and len(tgt) == 1:
-            leaf = re.fullmatch(r"\.experts\.(\w+)", tgt[0])
-            names = [re.fullmatch(r"\.experts\.\*\.(\w+)\.weight", x) for x in src]
-            if leaf and all(names) and (len(src) == 1) == (len(ops) == 1):
-                parts[leaf.group(1)] = tuple(m.group(1) for m in names if m)
-    alias = {}
-    for key in keys:
-        name = key
-        for pattern, target in renames:
-            try:
-                name = re.sub(pattern, target, name)
-            except re.error:
-                continue
-        if name != key:
-            alias[name] = key
-    return alias, parts
+    except Exception:  # noqa: BLE001 - a version without (or with another form of) the machinery
+        return None
+    renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, cml.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = module.state_dict()
+    prefix = getattr(module, "base_model_prefix", None)
+    alias: dict[str, str] = {}
+    groups: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
+    for key in sorted(index, key=natural):  # transformers' order: experts stack in this order
+        try:
+            name, pattern = rename(key, renamings, converters, prefix, meta)
+        except Exception:  # noqa: BLE001 - a pattern this version cannot apply: the key stays as stored
+            name, pattern = key, None
+        if name not in meta and key in meta:
+            name, pattern = key, None
+        if name not in meta:
+            continue
+        if pattern is None:
+            alias.setdefault(name, key)
+        elif pattern in by_pattern:
+            groups.setdefault(name, (by_pattern[pattern], []))[1].append((pattern, key))
+    converted: dict[str, tuple[Any, str, list[tuple[str, str]]]] = {}
+    for first, (conv, keys) in groups.items():
+        targets = list(getattr(conv, "target_patterns", []))
+        for t in targets or [first]:  # a one-to-many converter (a split) names its other targets
+            converted[first.replace(targets[0], t) if targets else first] = (conv, first, keys)
+    return alias, converted
 
 
 @dataclass
@@ -305,21 +333,31 @@ def load_hf_dir(path: Path) -> LoadedModel:
         params[id(p)] = p
     sources: dict[str, ConstSource] = {}
     missing = []
-    alias, converted = _checkpoint_conversions(transformers, module, index)
+    mapping = _checkpoint_conversions(transformers, module, index)
+    alias, converted = mapping if mapping is not None else ({}, {})
 
     def stored(name: str) -> str | None:
-        """The checkpoint's name for module tensor `name`: its own, or the one transformers renames to it."""
-        return name if name in index else alias.get(name)
+        """The checkpoint's name for module tensor `name`: the one from_pretrained would load it
+        from (its own, or the key transformers renames to it)."""
+        if name in alias:
+            return alias[name]
+        return name if name in index and name not in converted else None
+
+    def source(name: str, p: nn.Parameter) -> ConstSource | None:
+        key = stored(name)
+        if key is not None:
+            return SafetensorsSource(index[key][0], key, p.dtype, index[key][1])
+        if name in converted:
+            conv, first, keys = converted[name]
+            return ConvertedSource(conv, first, name, [(pat, SafetensorsSource(index[k][0], k, p.dtype, index[k][1]))
+                                                       for pat, k in keys], module)
+        return None
 
     for pid, names in owners.items():
         p = params[pid]
-        key = next((k for k in map(stored, names) if k is not None), None)
-        src: ConstSource | None = None
-        if key is not None:
-            file, layout = index[key]
-            src = SafetensorsSource(file, key, p.dtype, layout)
-        else:
-            src = _experts_source(names[0], tuple(p.shape), p.dtype, index, stored, {**_EXPERT_PARTS, **converted})
+        src = next((s for s in (source(n, p) for n in names) if s is not None), None)
+        if src is None:
+            src = _experts_source(names[0], tuple(p.shape), p.dtype, index, stored)
             if src is None and quant is not None:
                 src = quant.weight(names[0], tuple(p.shape), p.dtype, index)
         if src is None:

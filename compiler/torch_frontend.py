@@ -76,7 +76,13 @@ def _target_name(node: torch.fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return "getitem"
-    return str(t)
+    if isinstance(t, torch._ops.OperatorBase):
+        return str(t)
+    name = getattr(t, "__name__", None) or type(t).__name__
+    if getattr(t, "__module__", None) in ("_operator", "operator", "builtins") or name.startswith("sym_"):
+        # Python arithmetic on sizes: sizes the trace computed from the data (data-dependent)
+        return f"size arithmetic from data ({name})"
+    return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', name)}"  # never a repr with an address
 
 
 def unsupported_ops(ep: torch.export.ExportedProgram) -> Counter[str]:
@@ -432,11 +438,22 @@ def _embedding(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
 
 @converts("aten.index.Tensor")
 def _index(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    idx = a["indices"]
-    if any(i is None for i in idx):
-        raise NpucError("NPUC-E0304", f"{node.name}: indexing with None (x[:, idx]) is not supported",
-                        "index leading axes only", exit_code=EXIT_UNSUPPORTED)
-    return ctx.emit("index", [ctx.value(a["self"])] + [ctx.value(i) for i in idx], like=node)
+    x, idx = ctx.value(a["self"]), list(a["indices"])
+    at = [i for i, t in enumerate(idx) if t is not None]
+    if at == list(range(len(at))):  # leading axes
+        return ctx.emit("index", [x] + [ctx.value(t) for t in idx], like=node)
+    if len(at) == 1:  # x[:, idx]: a gather along that axis
+        return ctx.emit("gather", [x, ctx.value(idx[at[0]])], {"axis": at[0]}, like=node)
+    # Several index tensors after a slice: index the axes moved to the front; torch keeps the
+    # broadcast index dims where the first indexed axis was when the indexed axes are adjacent.
+    rest = [i for i in range(x.type.rank) if i not in at]
+    moved = ctx.emit("transpose", [x], {"perm": tuple(at + rest)}, name=f"{node.name}_front")
+    y = ctx.emit("index", [moved] + [ctx.value(idx[i]) for i in at], name=f"{node.name}_index")
+    nb = y.type.rank - len(rest)
+    if at != list(range(at[0], at[0] + len(at))):
+        return ctx.emit("reshape", [y], {"shape": y.type.shape}, like=node)
+    perm = list(range(nb, nb + at[0])) + list(range(nb)) + list(range(nb + at[0], y.type.rank))
+    return ctx.emit("transpose", [y], {"perm": tuple(perm)}, like=node)
 
 
 @converts("aten.topk.default")

@@ -62,7 +62,10 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.numel() and (not t.is_contiguous() or any(st == 0 for st in t.stride())):
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element: "contiguous" whatever its stride
+        flat = torch.empty(1, dtype=flat.dtype).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 class MissingSource:

@@ -243,8 +243,8 @@ def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
 
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
-    if len(xs) != 4:
-        return False  # attention sinks: the reference kernel's
+    if len(xs) != 4 or a["alibi"]:
+        return False  # attention sinks or ALiBi: the reference kernel's
     q, kc, vc, pos = xs
     out = outs[0]
     half = q.dtype in _HALF
@@ -288,7 +288,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
 
 
 def _mla_ws(ins: T, outs: T, a: A) -> int:
-    from npuc.ir.ops import mla_absorbed
+    from npuc.ir.fused_ops import mla_absorbed
 
     if not mla_absorbed(ins) or (len(ins) == 5 and a["causal"]):
         return 0  # the reference kernel's case (a prefill): no scratch to plan
@@ -437,10 +437,10 @@ def _qmoe(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
 def _moe(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, types: T,
          expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], a: A, out: torch.Tensor, ws: torch.Tensor
          ) -> bool:
-    """The reference kernel's steps, in its order, on workspace tensors (ir/ops.py moe_route,
+    """The reference kernel's steps, in its order, on workspace tensors (ir/fused_ops.py moe_route,
     moe_experts): every top-k a stable sort, the experts' GEMMs over each one's contiguous
     slots; `expert(e)` gives expert e's gate_up [2I, H] and down [H, I]."""
-    from npuc.ir.ops import MOE_MASK_FILL
+    from npuc.ir.fused_ops import MOE_MASK_FILL
 
     w: dict[str, torch.Tensor] = {}
     off = 0

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from npuc.ir.ops import ShapeError, moe_experts, moe_route
+from npuc.ir.fused_ops import moe_experts, moe_route
+from npuc.ir.ops import ShapeError
 from npuc.ir.registry import REGISTRY, Attr, op
 from npuc.ir.types import DType, TensorType
 

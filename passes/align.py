@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from npuc.ir import DType, Graph, Node, TensorSource, TensorType, Value, get_op
-from npuc.ir.ops import linear_nk, window_mask
+from npuc.ir.fused_ops import alibi_bias, window_mask
+from npuc.ir.ops import linear_nk
 from npuc.passes.manager import Pass, PassResult
 
 log = logging.getLogger("npuc")
@@ -229,6 +230,9 @@ class TargetAlignment(Pass):
             cap = e.const(f"{node.name}_softcap", torch.tensor(attrs["softcap"], dtype=q.type.dtype.torch))
             scores = e.op("mul", [e.op("tanh", [e.op("div", [scores, cap], label="capped")], label="tanh"), cap],
                           label="softcap")
+        if attrs["alibi"]:  # ALiBi: slope_h * (j - i)
+            bias = alibi_bias(attrs["alibi"], torch.arange(s), l_).unsqueeze(0).to(q.type.dtype.torch)
+            scores = e.op("add", [scores, e.const(f"{node.name}_alibi", bias)], label="alibi")
         ninf = e.const(f"{node.name}_ninf", torch.tensor(float("-inf"), dtype=q.type.dtype.torch))
         if attrs["causal"]:
             allowed = e.const(f"{node.name}_causal", window_mask(torch.arange(s), l_, attrs["window"]))

@@ -15,7 +15,9 @@ decomposed form exporters write at opset 18:
 GQA: keys and values repeated by `repeat_kv` (reshape -> expand -> reshape) are read
 from before the repeat; the op broadcasts heads itself. A constant mask equal to the
 causal mask becomes `causal=true` and disappears; one equal to a sliding window's causal
-band (query i sees keys i-w+1..i) becomes `causal=true, window=w`. q/k and v head dims may differ (MLA).
+band (query i sees keys i-w+1..i) becomes `causal=true, window=w`. A mask that is ALiBi's
+per-head bias on each key, slope_h * j, on such a mask (score-chain's add(@key_bias, @mask),
+or their sum) becomes `alibi=[slope_h, ..]` on it. q/k and v head dims may differ (MLA).
 
 With attention sinks (gpt-oss), a constant column of per-head logits joins the scores
 before the softmax and its probability is dropped after:
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from npuc.ir import DType, Value, get_op
-from npuc.ir.ops import ShapeError, broadcast, window_mask
+from npuc.ir.fused_ops import window_mask
+from npuc.ir.ops import ShapeError, broadcast
 from npuc.passes.rewrite import (
     Builder,
     Match,
@@ -52,6 +55,7 @@ from npuc.passes.rewrite import (
     opt,
     var,
 )
+from npuc.passes.score_chain import key_bias_split
 
 
 def _scalar(v: Value) -> bool:
@@ -129,6 +133,36 @@ def mask_window(t: torch.Tensor, q_len: int, k_len: int) -> int | None:
     return None
 
 
+def alibi_mask(mask: Value, q_len: int, k_len: int) -> tuple[tuple[float, ...], int] | None:
+    """(slopes, window) where a mask is ALiBi's per-head key bias, slope_h * j (+ a constant per
+    head), on the causal mask or a sliding window's band: what score-chain writes as
+    add(@key_bias [b, h, 1, k], @mask [1, 1, q, k]), or one constant it sums to. None otherwise."""
+    parts: tuple[torch.Tensor, torch.Tensor] | None = None
+    n = mask.producer
+    if mask.const is not None and getattr(mask.const, "in_memory", False):
+        parts = key_bias_split(mask.const.load())
+    elif n is not None and n.op == "add" and all(v.const is not None and getattr(v.const, "in_memory", False)
+                                                 for v in n.inputs):
+        a, c = (v.const.load() for v in n.inputs if v.const is not None)
+        parts = (a, c) if a.dim() == 4 and a.shape[-2] == 1 else (c, a)
+    if parts is None:
+        return None
+    bias, qk = parts
+    if bias.dim() != 4 or bias.shape[-2] != 1 or bias.shape[-1] != k_len or k_len < 2:
+        return None
+    window = mask_window(qk, q_len, k_len)
+    if window is None:
+        return None
+    b = bias.double()[:, :, 0, :]  # [batch, heads, k]
+    if not bool((b == b[:1]).all()):
+        return None  # differs along the batch
+    slopes = (b[0, :, -1] - b[0, :, 0]) / (k_len - 1)
+    line = b[0, :, :1] + slopes[:, None] * torch.arange(k_len, dtype=torch.float64)
+    if not bool(((b[0] - line).abs() <= 1e-4 * (line.abs() + 1)).all()):
+        return None  # not linear in the key's position
+    return tuple(float(x) for x in slopes), window
+
+
 def _kv(q: Value, k: Value, v: Value) -> tuple[Value, Value] | str:
     """k and v as fused_attention takes them: repeat_kv undone on both where that leaves them
     the same heads (grouped-query attention), else as the product saw them (a model that
@@ -148,6 +182,11 @@ def _build(b: Builder, q: Value, k: Value, v: Value, mask: Value | None, scale: 
     kv = _kv(q, k, v)  # the checks refused what does not fit, so this is the fitting pair
     k, v = kv if not isinstance(kv, str) else (strip_repeat_kv(k), strip_repeat_kv(v))
     window = causal_window(mask, q.type.shape[2], k.type.shape[2]) if mask is not None else None
+    alibi = alibi_mask(mask, q.type.shape[2], k.type.shape[2]) if mask is not None and window is None else None
+    if alibi is not None and len(alibi[0]) == q.type.shape[1] and not causal:
+        window = alibi[1]
+    else:
+        alibi = None
     ins = [q, k, v] + ([mask] if mask is not None and window is None else [])
     if sinks is not None:  # after the mask slot: a mask of zeros where there is none
         if len(ins) == 3:
@@ -156,6 +195,8 @@ def _build(b: Builder, q: Value, k: Value, v: Value, mask: Value | None, scale: 
     attrs: dict[str, object] = {"scale": scale, "causal": causal or window is not None}
     if window:
         attrs["window"] = window
+    if alibi is not None:
+        attrs["alibi"] = alibi[0]
     if softcap:
         attrs["softcap"] = softcap
     return b.op("fused_attention", ins, attrs)

@@ -100,6 +100,9 @@ class LongTrace:
     # attention npuc caches, else a layer that mixes tokens otherwise (linear attention, an
     # attention left unfused) would decode without its past. 0: not known.
     layers: int = 0
+    # Each attention's ALiBi slopes there (empty: none): a one-token decode trace cannot show
+    # them (its only key is at distance 0).
+    alibi: Sequence[tuple[float, ...]] = ()
 
 
 # Decode's attention over the cache is named after the attention it replaces, plus this:
@@ -129,8 +132,15 @@ class KVCache(Pass):
     decode_positions: str = ""
     # LongTrace.layers: at least this many attentions to cache.
     layers: int = 0
+    # LongTrace.alibi: each attention's ALiBi slopes at max_seq_len.
+    alibi: Sequence[tuple[float, ...]] = field(default=(), compare=False)
 
     def call(self, g: Graph) -> PassResult:
+        conv = next((n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1), None)
+        if conv is not None:  # before the attention count: it says what the other layers are
+            raise _refuse(f"{conv.name} convolves over the sequence (the short convolution of a state-space, "
+                          "linear-attention or gated-conv mixer): decode would need its recurrent state, and "
+                          "npuc caches attention keys and values only")
         attn = [n for n in g.nodes if n.op in ("fused_attention", "mla_attention")]
         if not attn:
             raise _refuse("the graph has no fused attention to cache")
@@ -158,7 +168,7 @@ class KVCache(Pass):
         for i, n in enumerate(attn):
             self._attention(g, n, i, pos, seq)
         ropes = [n for n in g.nodes if n.op == "rope_lut"]
-        if not ropes and not self.decode_positions:
+        if not ropes and not self.decode_positions and not any(self.alibi):  # ALiBi's bias moves with position
             raise _refuse("no rotary position embedding was fused (positions that are not RoPE "
                           "cannot move with the decoded token)")
         shared: dict[int, tuple[Value, Value]] = {}
@@ -192,6 +202,17 @@ class KVCache(Pass):
             window = long
         if window and latent:
             raise _refuse(f"attention {n.name}: a sliding window over latent attention")
+        alibi = tuple(n.attrs.get("alibi", ()))
+        if self.alibi and not latent:
+            long_alibi = tuple(self.alibi[i])
+            same = len(alibi) == len(long_alibi) and all(abs(a - b) <= 1e-6 * max(1.0, abs(b))
+                                                         for a, b in zip(alibi, long_alibi, strict=True))
+            if not same and (alibi or (self.role == "prefill" and seq > 1)):
+                raise _refuse(f"attention {n.name} has ALiBi slopes {list(alibi)[:4]}.. here and "
+                              f"{list(long_alibi)[:4]}.. at the cache length")
+            alibi = long_alibi
+        if alibi and self.role == "prefill" and not n.attrs.get("alibi"):
+            n.set_attrs(alibi=alibi)
         if window and self.role == "prefill":
             n.set_attrs(window=window)
         written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n) for kind, x in rows]
@@ -205,6 +226,8 @@ class KVCache(Pass):
                     attrs["window"] = window
                 if n.attrs.get("softcap"):
                     attrs["softcap"] = n.attrs["softcap"]
+                if alibi:
+                    attrs["alibi"] = alibi
             new = g.add_node(op, ins, [n.outputs[0].type], attrs, names=n.name + CACHED, before=n)
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)

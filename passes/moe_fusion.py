@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from npuc.ir import DType, Graph, Node, TensorType, Value, get_op
-from npuc.ir.ops import MOE_MASK_FILL, ShapeError
+from npuc.ir.fused_ops import MOE_MASK_FILL
+from npuc.ir.ops import ShapeError
 from npuc.passes.manager import Pass, PassResult
 from npuc.passes.rewrite import Builder, Match, Pat, any_of, const, match, op, opt, var
 

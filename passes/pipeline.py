@@ -20,6 +20,7 @@ from npuc.passes.quant_fusion import QuantFusion
 from npuc.passes.quantize import Quantize
 from npuc.passes.rmsnorm_fusion import RMSNormFusion
 from npuc.passes.rope_fusion import RoPEFusion
+from npuc.passes.score_chain import ScoreChain
 from npuc.passes.swiglu_fusion import SwiGLUFusion
 
 
@@ -43,6 +44,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         SwiGLUFusion(),
         MoEFusion(),                # DeepSeek's router and routed experts (after SwiGLU)
         RoPEFusion(),
+        ScoreChain(),               # hand-written attention's scale and mask, in one spelling
         AttentionFusion(),
         MLAFusion(),                # DeepSeek's latent attention, before the cache is laid out
         *([kv_cache] if kv_cache is not None else []),

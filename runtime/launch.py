@@ -234,8 +234,8 @@ def _native_kv_write(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | No
 
 
 def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
-    if b.attrs.get("window") or b.attrs.get("softcap") or len(b.ins) != 4:
-        return None  # a sliding window, soft-capped scores or sinks: torch's
+    if b.attrs.get("window") or b.attrs.get("softcap") or b.attrs.get("alibi") or len(b.ins) != 4:
+        return None  # a sliding window, soft-capped scores, ALiBi or sinks: torch's
     q, kc, vc, pos = b.ins
     out = b.outs[0]
     if not _contiguous(q, kc, vc, pos, out) or pos.dtype != torch.int64 or kc.dtype != vc.dtype \
@@ -346,7 +346,7 @@ def _native_fused_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launch
     """Prefill's attention without a mask, query i attending keys 0..min(i, L - 1) (causal,
     torch's top-left alignment) or all L keys: f32 with many queries, as small GEMMs
     (npuc_attention_gemm); otherwise decode's cached-attention kernel."""
-    if len(b.ins) != 3 or b.attrs.get("window") or b.attrs.get("softcap"):
+    if len(b.ins) != 3 or b.attrs.get("window") or b.attrs.get("softcap") or b.attrs.get("alibi"):
         return None  # a mask, a sliding window or soft-capped scores: torch's
     q, k, v = b.ins
     s, length = q.shape[2] if q.dim() == 4 else 0, k.shape[2] if k.dim() == 4 else 0

@@ -75,11 +75,12 @@ def test_attention_padded_and_padding_masked(causal: bool, mask: str | None) -> 
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-def test_head_dim_over_the_target_limit_falls_back_unfused() -> None:
-    g = parse_graph("""graph main(%q : f32[1,2,16,32], %k : f32[1,1,16,32], %v : f32[1,1,16,32]) {
-  %y : f32[1,2,16,32] = fused_attention[causal=true, scale=0.2](%q, %k, %v)
+@pytest.mark.parametrize("alibi", ["", "alibi=[0.5,0.25], "])
+def test_head_dim_over_the_target_limit_falls_back_unfused(alibi: str) -> None:
+    g = parse_graph(f"""graph main(%q : f32[1,2,16,32], %k : f32[1,1,16,32], %v : f32[1,1,16,32]) {{
+  %y : f32[1,2,16,32] = fused_attention[{alibi}causal=true, scale=0.2](%q, %k, %v)
   return %y
-}
+}}
 """)
     feeds = {"q": torch.randn(1, 2, 16, 32), "k": torch.randn(1, 1, 16, 32), "v": torch.randn(1, 1, 16, 32)}
     before = _run(g, feeds)[0]

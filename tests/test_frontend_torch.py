@@ -252,3 +252,59 @@ def test_math_ops_match_eager(tmp_path: Path) -> None:
     for got, want in zip(out.values(), m(x, n), strict=True):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class MixerOps(nn.Module):
+    """What hybrid and state-space mixers use: a depthwise causal conv1d (left padding, then a
+    slice), a grouped conv with 'same' padding and a bias, einsum, pad in torch's modes,
+    eye, vector norms of orders 1, 2, 3 and inf, log_sigmoid, clamp_min, concatenate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv1d(8, 8, kernel_size=4, groups=8, padding=3, bias=False)
+        self.same = nn.Conv1d(8, 4, kernel_size=3, groups=2, padding="same", dilation=2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c = x.transpose(1, 2)  # [N, C, L]
+        causal = self.dw(c)[..., : c.shape[-1]]
+        a = torch.einsum("bcl,bdl->bcd", c, causal)
+        return (causal, self.same(c), a, torch.einsum("bld,d->bl", x, x[0, 0]),
+                torch.nn.functional.pad(x, (1, 2, 0, 3)), torch.nn.functional.pad(x, (2, 1), value=-1.5),
+                torch.nn.functional.pad(c, (2, 3), mode="replicate"), torch.nn.functional.pad(c, (2, 1), mode="reflect"),
+                x @ torch.eye(8) * 3, torch.linalg.vector_norm(x, dim=-1),
+                torch.linalg.vector_norm(x, ord=1, dim=(1, 2), keepdim=True),
+                torch.linalg.vector_norm(x, ord=float("inf"), dim=1), torch.linalg.vector_norm(x, ord=3, dim=-1),
+                torch.nn.functional.logsigmoid(x * 40), torch.clamp_min(x, 0.1),
+                torch.concatenate([x, x * 2], dim=-1))
+
+
+def test_mixer_ops_match_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = MixerOps().eval()
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(5))
+    om = npuc.compile(m, input_shape="x:2,12,8", output=str(tmp_path / "m"))
+    out = npuc.load(om).run({"x": x})
+    with torch.no_grad():
+        want = m(x)
+    assert len(out) == len(want)
+    for got, w in zip(out.values(), want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+
+
+class IndexAfterSlices(nn.Module):
+    """Advanced indexing behind full slices: one index tensor (a gather), adjacent ones (their
+    dims stay where the first indexed axis was) and apart ones (their dims go first)."""
+
+    def forward(self, x: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x[:, i], x[:, :, j], x[:, i, j], x[:, i, :, j], x[i, j]
+
+
+def test_index_after_slices_matches_eager(tmp_path: Path) -> None:
+    m = IndexAfterSlices().eval()
+    x = torch.randn(3, 4, 5, 6, generator=torch.Generator().manual_seed(6))
+    i, j = torch.tensor([[0, 2], [2, 1]]), torch.tensor([1, 0])
+    om = npuc.compile(m, input_shape="x:3,4,5,6;i:2,2;j:2", input_dtypes={"i": torch.int64, "j": torch.int64},
+                      output=str(tmp_path / "m"))
+    out = npuc.load(om).run({"x": x, "i": i, "j": j})
+    for got, want in zip(out.values(), m(x, i, j), strict=True):
+        torch.testing.assert_close(got, want)

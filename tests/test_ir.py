@@ -542,3 +542,12 @@ def test_random_graphs_verify_and_roundtrip(g: Graph) -> None:
     assert [v.name for v in g2.values()] == [v.name for v in g.values()]
     for v2, v in zip(g2.values(), g.values(), strict=True):
         assert v2.type == v.type and len(v2.uses) == len(v.uses)
+
+
+def test_byte_view_of_one_element_with_any_strides() -> None:
+    # torch calls a one-element tensor contiguous whatever its strides; its bytes still come out
+    from npuc.ir.graph import byte_view
+
+    t = torch.arange(4, dtype=torch.float32)[1::2][:1].reshape(1, 1)
+    assert t.stride() == (2, 2) and t.is_contiguous()
+    assert byte_view(t).tolist() == list(torch.tensor([1.0]).view(torch.uint8).tolist())

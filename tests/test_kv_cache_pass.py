@@ -375,6 +375,17 @@ def test_refuses_fewer_attentions_than_layers() -> None:
         KVCache("prefill", CACHE, [TABLES], 0, layers=LAYERS + 1)(build(4))
 
 
+def test_refuses_a_convolution_over_the_sequence() -> None:
+    # A hybrid's short-conv mixer needs its past tokens in decode: named, before any count.
+    g = build(4)
+    x = g.outputs[0]
+    seq = node(g, "reshape", [x], {"shape": (B, HQ * 4, D)}, name="seq")
+    y = node(g, "conv1d", [seq, const(g, "w", torch.randn(HQ * 4, 1, 3))], {"pads": (2, 0), "groups": HQ * 4},
+             name="mixer_conv")
+    g.set_outputs([y])
+    refused(g, match="mixer_conv convolves over the sequence")
+
+
 def test_refuses_a_mask_at_the_cache_length_that_is_no_window() -> None:
     with pytest.raises(NpucError, match="neither causal nor a sliding window"):
         KVCache("decode", CACHE, [TABLES], TRACE, windows=[None] * LAYERS)(build(1, TRACE))
@@ -423,3 +434,45 @@ def test_refuses_ambiguous_tables() -> None:
     refused(build(4), tables=[TABLES, other], match="several")
     # The same table given twice is not ambiguous.
     apply("prefill", build(4), tables=[TABLES, (TABLES[0].clone(), TABLES[1].clone())])
+
+
+# --- ALiBi ------------------------------------------------------------------------------
+
+SLOPES = (0.5, 0.25, 0.125, 0.0625)
+
+
+def test_alibi_decode_rows_are_the_prefill_rows_and_hf_form() -> None:
+    # cached_attention at position p is row p of the causal prefill; and slope * (j - i) is
+    # softmax-equal to Bloom's slope * j added as a mask
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(B, HQ, 6, D, generator=gen), torch.randn(B, HKV, 6, D, generator=gen), \
+        torch.randn(B, HKV, 6, D, generator=gen)
+    full = get_op("fused_attention").run([q, k, v], {"scale": SCALE, "causal": True, "alibi": SLOPES})[0]
+    kc, vc = torch.zeros(B, HKV, CACHE, D), torch.zeros(B, HKV, CACHE, D)
+    kc[:, :, :6], vc[:, :, :6] = k, v
+    for p in range(6):
+        row = get_op("cached_attention").run([q[:, :, p:p + 1], kc, vc, torch.tensor([p])],
+                                             {"scale": SCALE, "alibi": SLOPES})[0]
+        torch.testing.assert_close(row, full[:, :, p:p + 1])
+    bloom = torch.tensor(SLOPES).view(1, HQ, 1, 1) * torch.arange(6.0).view(1, 1, 1, 6)
+    mask = bloom + torch.full((6, 6), float("-inf")).triu(1)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1),
+                                          attn_mask=mask, scale=SCALE)
+    torch.testing.assert_close(full, want)
+
+
+def test_alibi_slopes_come_from_the_cache_length_trace() -> None:
+    # A one-token decode trace has no ALiBi to see (its key is at distance 0): the slopes the
+    # model showed at max_seq_len go on each cached attention, and stand in for RoPE.
+    res = KVCache("decode", CACHE, [], TRACE, windows=[0] * LAYERS, alibi=[SLOPES] * LAYERS)(build(1, TRACE, rope=False))
+    cached = [n for n in res.graph.nodes if n.op == "cached_attention"]
+    assert len(cached) == LAYERS and all(tuple(n.attrs["alibi"]) == SLOPES for n in cached)
+
+
+def test_refuses_prefill_alibi_that_differs_from_the_cache_length() -> None:
+    g = build(4, rope=False)
+    for n in g.nodes:
+        if n.op == "fused_attention":
+            n.set_attrs(alibi=SLOPES[::-1])
+    with pytest.raises(NpucError, match="ALiBi slopes"):
+        KVCache("prefill", CACHE, [], 0, windows=[0] * LAYERS, alibi=[SLOPES] * LAYERS)(g)

@@ -18,7 +18,7 @@ from test_kv_cache_pass import check_order, round_trips
 
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType, Graph, TensorSource, TensorType, Value, get_op, verify
-from npuc.ir.ops import mla_absorbed
+from npuc.ir.fused_ops import mla_absorbed
 from npuc.passes.canonicalize import Canonicalize
 from npuc.passes.mla_fusion import MLAFusion
 from npuc.runtime import Session

@@ -14,7 +14,7 @@ import torch
 from hf_models import hf_greedy, prefill_vs_hf
 
 from npuc.compiler.driver import compile_model
-from npuc.compiler.loaders import StackedExpertsSource, load_source
+from npuc.compiler.loaders import ConvertedSource, StackedExpertsSource, load_source
 from npuc.runtime import Session
 from npuc.runtime.generate import generate
 
@@ -28,8 +28,10 @@ def hf_moe(moe_checkpoint: Path) -> Any:
 
 def test_expert_weights_come_from_per_expert_tensors(moe_checkpoint: Path) -> None:
     loaded = load_source(str(moe_checkpoint))
-    stacked = {k: v for k, v in loaded.sources.items() if isinstance(v, StackedExpertsSource)}
+    stacked = {k: v for k, v in loaded.sources.items() if isinstance(v, ConvertedSource | StackedExpertsSource)}
     assert sorted(stacked) == ["model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+    # each names its parameter: the writer shares weights between programs by that description
+    assert all(k in v.describe() for k, v in stacked.items() if isinstance(v, ConvertedSource))
     gate_up = stacked["model.layers.1.mlp.experts.gate_up_proj"].load()
     assert tuple(gate_up.shape) == (8, 64, 64)  # [experts, 2 x moe_intermediate, hidden]
 

@@ -21,7 +21,7 @@ from test_fusion_passes import check, refuses
 
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType, TensorType, get_op
-from npuc.ir.ops import moe_route
+from npuc.ir.fused_ops import moe_route
 from npuc.passes.moe_fusion import MoEFusion
 from npuc.runtime import Session
 from npuc.runtime.generate import generate
