@@ -31,9 +31,9 @@ from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Node, Value, distinct_outputs
-from npuc.ir.evaluate import evaluate_value
+from npuc.ir.evaluate import evaluate_value, reads_inputs
 from npuc.passes.attention_fusion import hides_nothing, mask_window
-from npuc.passes.kv_cache import UNCHECKED, KVCache, LongTrace
+from npuc.passes.kv_cache import FROM_DATA, UNCHECKED, KVCache, LongTrace
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
@@ -247,7 +247,7 @@ MASK_EVAL_BYTES = 1 << 28
 
 def _long_window(g: Graph, n: Node) -> int | None:
     """An attention's mask at max_seq_len: 0 causal, w a sliding window, None another mask,
-    UNCHECKED one too large to evaluate."""
+    FROM_DATA one computed from the tokens, UNCHECKED one too large to evaluate."""
     if n.op == "mla_attention":
         return 0 if n.attrs.get("causal") else None
     if len(n.inputs) == 3 or hides_nothing(n.inputs[3]):  # no mask, or the slot before sinks
@@ -255,6 +255,8 @@ def _long_window(g: Graph, n: Node) -> int | None:
     q_len, k_len = n.inputs[0].type.shape[2], n.inputs[1].type.shape[2]
     if n.inputs[3].is_const:
         return None  # attention fusion read it already: not causal, not a window
+    if reads_inputs(n.inputs[3]):
+        return FROM_DATA
     values = evaluate_value(g, n.inputs[3], max_bytes=MASK_EVAL_BYTES)
     if values is None:
         return UNCHECKED

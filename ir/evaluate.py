@@ -66,6 +66,22 @@ def fold_node(g: Graph, node: Node) -> list[Value]:
     return new
 
 
+def reads_inputs(value: Value) -> bool:
+    """Whether `value` is computed from a graph input or a state (not from constants alone)."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if v.is_const:
+            continue
+        if v.producer is None:
+            return True
+        if id(v.producer) not in seen:
+            seen.add(id(v.producer))
+            todo.extend(v.producer.inputs)
+    return False
+
+
 def evaluate_value(g: Graph, value: Value, feeds: dict[str, torch.Tensor] | None = None,
                    max_bytes: int = 1 << 28) -> torch.Tensor | None:
     """`value`'s tensor, computed with the ops' reference kernels from constants and the graph

@@ -238,13 +238,27 @@ def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
     n = b * hq * s * kc.shape[2] + 1  # the scores, the scale
     if q.dtype != DType.f32:  # f32 copies of the query, the result and one KV head's rows at a time
         n += q.numel + outs[0].numel + kc.shape[2] * max(kc.shape[3], vc.shape[3])
+    if a.get("alibi"):  # ALiBi's key-minus-query distances [s, rows], the rows' indices, the positions
+        n += s * kc.shape[2] + kc.shape[2] + s
     return n * F32
+
+
+def _add_alibi(scores: torch.Tensor, slopes: tuple[float, ...], pos: torch.Tensor, ws: torch.Tensor | None,
+               off: int) -> None:
+    """scores [b, hq, s, n] += slope_h * (j - pos[i]), from the workspace at `off` on."""
+    s, n = scores.shape[-2:]
+    rel, j, p = _f32(ws, off, (s, n)), _f32(ws, off + s * n * F32, (n,)), _f32(ws, off + (s * n + n) * F32, (s,))
+    torch.arange(n, out=j)
+    p.copy_(pos)
+    torch.sub(j.view(1, n), p.view(s, 1), out=rel)
+    for h, slope in enumerate(slopes):
+        scores[:, h].add_(rel, alpha=slope)
 
 
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
-    if len(xs) != 4 or a["alibi"]:
-        return False  # attention sinks or ALiBi: the reference kernel's
+    if len(xs) != 4:
+        return False  # attention sinks: the reference kernel's
     q, kc, vc, pos = xs
     out = outs[0]
     half = q.dtype in _HALF
@@ -275,6 +289,9 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     scores.mul_(scale)
     if a["softcap"]:  # in place: softcap * tanh(scores / softcap)
         scores.div_(a["softcap"]).tanh_().mul_(a["softcap"])
+    if a["alibi"]:  # its scratch after everything above (_cached_attention_ws)
+        at = b * hq * s * length + 1 + (q.numel() + out.numel() + length * max(d, dv) if half else 0)
+        _add_alibi(scores.view(b, hq, s, n), a["alibi"], pos, ws, at * F32)
     _hide_later_rows(scores.view(b, hkv, g, s, n), pos, a["window"])
     torch.softmax(scores, dim=-1, out=scores)
     if not half:

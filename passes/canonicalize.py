@@ -15,6 +15,15 @@ fusions downstream need to know only that form.
                                          ->  %y = slice_scatter[axis=a, start:end:step](%x, %src)
          (p swaps axes 0 and a; @rows a constant arithmetic run: how the ONNX exporter
           writes `x[..., start:end] = src`)
+    %y = softmax[axis=a](sub(%x, reduce_max[axes=[a], keepdim](%x)))
+                                         ->  %y = softmax[axis=a](%x)
+         (softmax shifts by the maximum itself: the same values, bit for bit)
+    %y = scatter_elements[axis=a](%data, cast*(topk[axis=a, k=n](%x).indices), @u)
+                                         ->  %y = @u
+         (k = n, the axis' whole length: the indices are a permutation of it, so every
+          position is written; @u the same along a, so which gets what does not matter.
+          DeepSeek-V3.2's sparse attention selects its keys so: at a length up to its
+          index_topk it selects them all, and its mask is the causal one)
 
 Left alone: a division by a constant with more than one element (x / c is not
 x * (1/c) bit for bit when c varies, and the fusions do not need it), and a
@@ -26,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from npuc.ir import Value
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, op, var
+from npuc.ir import Value, get_op
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, is_const, op, var
 
 
 def _is_float(v: Value) -> bool:
@@ -78,6 +87,41 @@ def _scatter_to_slice_scatter(b: Builder, m: Match) -> Value:
     return b.op("slice_scatter", [x, m["src"]], {"axis": a, "start": start, "end": end, "step": step})
 
 
+def _max_shift(m: Match) -> str | None:
+    sm, mx = m.node("sm"), m.node("max")
+    axis = get_op("softmax").full_attrs(sm.attrs)["axis"] % m["x"].type.rank
+    a = get_op("reduce_max").full_attrs(mx.attrs)
+    if tuple(x % m["x"].type.rank for x in a["axes"]) != (axis,) or not a["keepdim"]:
+        return "the maximum is not over the softmax's axis"
+    return None
+
+
+def _every_position(m: Match) -> str | None:
+    """Why scatter-every-position does not apply, or None."""
+    scatter = m.node("scatter")
+    a = get_op("scatter_elements").full_attrs(scatter.attrs)
+    data, idx, upd = scatter.inputs
+    axis = a["axis"] % data.type.rank
+    if a["reduction"] != "none" or idx.type.shape != data.type.shape or upd.type != data.type:
+        return "not a plain scatter over every index of the data"
+    v = idx
+    while v.producer is not None and v.producer.op == "cast" and not v.type.dtype.is_float \
+            and v.type.dtype.itemsize >= 4:  # i64 <-> i32 keeps every index
+        v = v.producer.inputs[0]
+    t = v.producer
+    if t is None or t.op != "topk" or v is not t.outputs[1]:
+        return "the indices are not a top-k's"
+    ta = get_op("topk").full_attrs(t.attrs)
+    if ta["axis"] % data.type.rank != axis or ta["k"] != data.type.shape[axis] or t.inputs[0].type.shape != idx.type.shape:
+        return "the top-k does not take the whole axis the scatter writes"
+    if not getattr(upd.const, "in_memory", False):
+        return "the updates are not a constant in memory"
+    u = upd.const.load()
+    if not bool((u == u.narrow(axis, 0, 1)).all()):
+        return "the updates differ along the axis"
+    return None
+
+
 def _matmul_to_linear(b: Builder, m: Match) -> Value:
     return b.op("linear", [m["x"], m["w"]], {"weight_layout": "kn"})
 
@@ -112,6 +156,12 @@ class Canonicalize(RewritePass):
                                     const("idx"), op("transpose", var("src"), bind="tsrc"), bind="scatter"),
                     bind="outer"),
                  _scatter_to_slice_scatter, check=lambda m: r if isinstance(r := _scatter_rows(m), str) else None),
+            Rule("softmax-of-max-shift", op("softmax", op("sub", var("x"), op("reduce_max", var("x"), bind="max")),
+                                            bind="sm"),
+                 lambda b, m: b.op("softmax", [m["x"]], m.node("sm").attrs), check=_max_shift),
+            Rule("scatter-every-position", op("scatter_elements", var("data"), var("idx"), var("upd", is_const),
+                                              bind="scatter"),
+                 lambda b, m: m["upd"], check=_every_position),
             Rule("matmul-to-linear",
                  op("matmul", var("x", lambda v: v.type.rank >= 2),
                     var("w", lambda v: v.is_const and v.type.rank == 2)), _matmul_to_linear),

@@ -81,15 +81,16 @@ from npuc.passes.manager import Pass, PassResult
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 UNCHECKED = -1  # a window that was not checked (LongTrace.windows): the program's own stands
+FROM_DATA = -2  # a mask computed from the tokens (LongTrace.windows): sparse or dynamic attention
 
 
 @dataclass(frozen=True)
 class LongTrace:
     """What the model traced at max_seq_len says about the positions to cache: its distinct
     RoPE tables, and each attention's mask there (schedule order): 0 causal, w > 0 the
-    causal band of a sliding window of w keys, None another mask, UNCHECKED one too large to
-    evaluate. A window wider than the prefill is invisible in the prefill's own trace; this
-    is where it shows."""
+    causal band of a sliding window of w keys, None another mask, FROM_DATA one computed from
+    the tokens, UNCHECKED one too large to evaluate. A window wider than the prefill is
+    invisible in the prefill's own trace; this is where it shows."""
 
     tables: Sequence[RopeTables] = ()
     windows: Sequence[int | None] = ()
@@ -194,6 +195,10 @@ class KVCache(Pass):
         window = int(n.attrs.get("window", 0))
         if self.windows and self.windows[i] != UNCHECKED:
             long = self.windows[i]
+            if long == FROM_DATA:
+                raise _refuse(f"attention {n.name}: at the cache length its mask is computed from the tokens "
+                              "(sparse or dynamic attention, such as an indexer's top-k of fewer keys than the "
+                              "cache holds)")
             if long is None:
                 raise _refuse(f"attention {n.name}: at the cache length its mask is neither causal nor a "
                               "sliding window")

@@ -38,6 +38,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
         Canonicalize(),             # one spelling per idiom, whatever the exporter
+        ConstantFolding(),          # what canonicalisation made constant (a sparse mask that selects all)
         CommonSubexpressionElimination(),
         DeadCodeElimination(),
         RMSNormFusion(),

@@ -22,7 +22,7 @@ from npuc.backend.writer import write_om
 from npuc.errors import NpucError
 from npuc.ir import DType, Graph, TensorType, get_op, parse_graph, verify
 from npuc.passes.dce import DeadCodeElimination
-from npuc.passes.kv_cache import KVCache, RopeTables
+from npuc.passes.kv_cache import FROM_DATA, KVCache, RopeTables
 from npuc.runtime.session import Session
 
 B, HQ, HKV, D = 1, 4, 2, 8
@@ -384,6 +384,12 @@ def test_refuses_a_convolution_over_the_sequence() -> None:
              name="mixer_conv")
     g.set_outputs([y])
     refused(g, match="mixer_conv convolves over the sequence")
+
+
+def test_refuses_a_mask_at_the_cache_length_computed_from_the_tokens() -> None:
+    # sparse attention past its top-k (DeepSeek-V3.2 at a cache longer than index_topk)
+    with pytest.raises(NpucError, match="computed from the tokens"):
+        KVCache("decode", CACHE, [TABLES], TRACE, windows=[FROM_DATA] * LAYERS)(build(1, TRACE))
 
 
 def test_refuses_a_mask_at_the_cache_length_that_is_no_window() -> None:

@@ -81,3 +81,26 @@ def test_doc_is_this_run() -> None:
                 for line in t.splitlines()]
 
     assert stable(DOC.read_text()) == stable(text), "regenerate: python docs/gen_models.py"
+
+
+def test_sparse_attention_past_its_top_k_is_refused(tmp_path: Path) -> None:
+    """DeepSeek-V3.2's indexer keeps its top index_topk keys: up to that length it keeps them
+    all (the mask is the causal one, and generation works); past it the mask comes from the
+    tokens, and decode would attend keys it drops, so --max_seq_len beyond it is refused."""
+    import torch
+    import transformers as tf
+    from model_matrix import tiny_config
+
+    from npuc.compiler.driver import compile_model
+    from npuc.errors import NpucError
+
+    if "deepseek_v32" not in in_scope():
+        pytest.skip("this transformers has no DeepSeek-V3.2")
+    cfg = tiny_config("deepseek_v32")
+    cfg.index_topk = 16
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "dsa"))
+    compile_model(str(tmp_path / "dsa"), input_shape="input_ids:1,8", output=str(tmp_path / "ok"), max_seq_len=16)
+    with pytest.raises(NpucError, match="computed from the tokens") as e:
+        compile_model(str(tmp_path / "dsa"), input_shape="input_ids:1,8", output=str(tmp_path / "no"), max_seq_len=48)
+    assert e.value.code == "NPUC-E0123" and not (tmp_path / "no.om").exists()

@@ -135,7 +135,9 @@ CASES: dict[str, list[Case]] = {
                          case("f32[1,4,2,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", Idx("i64[2]", 8), "f32[4]",
                               scale=0.25),
                          case("bf16[1,4,1,16]", "bf16[1,2,8,16]", "bf16[1,2,8,8]", Idx("i64[1]", 8), scale=0.25,
-                              alibi=(0.5, 0.25, 0.125, 0.0625))],
+                              alibi=(0.5, 0.25, 0.125, 0.0625)),
+                         case("f32[1,4,2,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", Idx("i64[2]", 8), scale=0.25,
+                              window=3, alibi=(0.5, 0.25, 0.125, 0.0625))],
     # decode over a cache (absorbed, out-kernel), a short prefill (absorbed), a long one (expanded heads)
     "mla_attention": [case("f32[1,4,1,8]", "f32[1,4,1,4]", "f32[1,1,9,20]", "f32[4,8,16]", "f32[4,16,8]",
                            Idx("i64[1]", 9), scale=0.3),
