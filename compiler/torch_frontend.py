@@ -383,7 +383,7 @@ def _copy(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     return src
 
 
-@converts("aten.cat.default", "aten.concat.default")
+@converts("aten.cat.default", "aten.concat.default", "aten.concatenate.default")
 def _cat(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     dt = _out_dtype(node)
     xs = [ctx.cast(ctx.value(t), dt) for t in a["tensors"]]

@@ -165,13 +165,6 @@ def _trilu(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     return ctx.emit("trilu", [ctx.value(a["self"])], {"upper": upper, "k": int(a.get("diagonal", 0))}, like=node)
 
 
-@converts("aten.concatenate.default")
-def _concatenate(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
-    from npuc.compiler.torch_frontend import CONVERTERS
-
-    return CONVERTERS["aten.cat.default"](ctx, node, {"tensors": a["tensors"], "dim": a.get("dim", 0)})
-
-
 @converts("aten.clamp_min.default", "aten.clamp_max.default")
 def _clamp__one_int(ctx: _Ctx, node: torch.fx.Node, a: dict[str, Any]) -> Value:
     bound = "min" if str(node.target).startswith("aten.clamp_min") else "max"

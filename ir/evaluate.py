@@ -66,28 +66,9 @@ def fold_node(g: Graph, node: Node) -> list[Value]:
     return new
 
 
-def reads_inputs(value: Value) -> bool:
-    """Whether `value` is computed from a graph input or a state (not from constants alone)."""
-    seen: set[int] = set()
-    todo = [value]
-    while todo:
-        v = todo.pop()
-        if v.is_const:
-            continue
-        if v.producer is None:
-            return True
-        if id(v.producer) not in seen:
-            seen.add(id(v.producer))
-            todo.extend(v.producer.inputs)
-    return False
-
-
-def evaluate_value(g: Graph, value: Value, feeds: dict[str, torch.Tensor] | None = None,
-                   max_bytes: int = 1 << 28) -> torch.Tensor | None:
-    """`value`'s tensor, computed with the ops' reference kernels from constants and the graph
-    inputs named in `feeds`; None if it reads another input (or a state), or if the values
-    computed on the way would pass `max_bytes`."""
-    feeds = feeds or {}
+def _cone(value: Value, feeds: dict[str, torch.Tensor]) -> set[int] | None:
+    """The ids of the nodes `value` is computed by, from constants and the inputs in `feeds`;
+    None if it reads another input (or a state)."""
     cone: set[int] = set()
     todo = [value]
     while todo:
@@ -99,6 +80,23 @@ def evaluate_value(g: Graph, value: Value, feeds: dict[str, torch.Tensor] | None
         if id(v.producer) not in cone:
             cone.add(id(v.producer))
             todo.extend(v.producer.inputs)
+    return cone
+
+
+def reads_inputs(value: Value) -> bool:
+    """Whether `value` is computed from a graph input or a state (not from constants alone)."""
+    return _cone(value, {}) is None
+
+
+def evaluate_value(g: Graph, value: Value, feeds: dict[str, torch.Tensor] | None = None,
+                   max_bytes: int = 1 << 28) -> torch.Tensor | None:
+    """`value`'s tensor, computed with the ops' reference kernels from constants and the graph
+    inputs named in `feeds`; None if it reads another input (or a state), or if the values
+    computed on the way would pass `max_bytes`."""
+    feeds = feeds or {}
+    cone = _cone(value, feeds)
+    if cone is None:
+        return None
     nodes = [n for n in g.nodes if id(n) in cone]
     if sum(o.type.nbytes for n in nodes for o in n.outputs) > max_bytes:
         return None

@@ -232,14 +232,19 @@ def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor, window: int = 0) -
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _cached_attention_f32s(b: int, hq: int, s: int, length: int, d: int, dv: int, half: bool) -> int:
+    """The workspace's f32s before ALiBi's: the scores, the scale, and with half operands f32
+    copies of the query, the result and one KV head's rows at a time."""
+    return b * hq * s * length + 1 + (b * hq * s * (d + dv) + length * max(d, dv) if half else 0)
+
+
 def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
     q, kc, vc = ins[:3]
-    b, hq, s, _ = q.shape
-    n = b * hq * s * kc.shape[2] + 1  # the scores, the scale
-    if q.dtype != DType.f32:  # f32 copies of the query, the result and one KV head's rows at a time
-        n += q.numel + outs[0].numel + kc.shape[2] * max(kc.shape[3], vc.shape[3])
+    b, hq, s, d = q.shape
+    length = kc.shape[2]
+    n = _cached_attention_f32s(b, hq, s, length, d, vc.shape[3], q.dtype != DType.f32)
     if a.get("alibi"):  # ALiBi's key-minus-query distances [s, rows], the rows' indices, the positions
-        n += s * kc.shape[2] + kc.shape[2] + s
+        n += s * length + length + s
     return n * F32
 
 
@@ -290,7 +295,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     if a["softcap"]:  # in place: softcap * tanh(scores / softcap)
         scores.div_(a["softcap"]).tanh_().mul_(a["softcap"])
     if a["alibi"]:  # its scratch after everything above (_cached_attention_ws)
-        at = b * hq * s * length + 1 + (q.numel() + out.numel() + length * max(d, dv) if half else 0)
+        at = _cached_attention_f32s(b, hq, s, length, d, dv, half)
         _add_alibi(scores.view(b, hq, s, n), a["alibi"], pos, ws, at * F32)
     _hide_later_rows(scores.view(b, hkv, g, s, n), pos, a["window"])
     torch.softmax(scores, dim=-1, out=scores)

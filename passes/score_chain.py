@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from npuc.errors import InternalError
 from npuc.ir import Graph, Node, Value, get_op
 from npuc.ir.ops import broadcast
 from npuc.passes.dce import DeadCodeElimination
@@ -272,28 +273,42 @@ def key_bias_split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     return bias.to(mask.dtype), qk[None, None].to(mask.dtype)
 
 
-def _check(m: Match) -> str | None:
-    sm = m.node("sm")
-    if not last_axis(sm) or m["x"].type.rank not in (3, 4):
-        return "not a softmax over the keys of 3-D or 4-D scores"
-    c = _chain(m["x"])
-    if isinstance(c, str):
-        return c
-    if c.shape4() is None:
-        return "the scores are not [b, h, q, k] (or its [b*h, q, k] merge) throughout"
-    if _canonical(c) and not _k_perm(c):
-        return "already one scale and one mask"
-    if c.flat() and c.scores.type.rank == 3 and any(v.type.rank != 3 for v in c.scores.producer.inputs):
-        return "a batched product of operands that are not 3-D"
-    if not c.nodes:
+class _Probed:
+    """check and rewrite of one rule: the rewrite takes the chain and probe its check just found
+    for the same softmax (probing a long mask head by head is the pass's cost), not again."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, _Chain, tuple[float, Mask] | None] | None = None
+
+    def check(self, m: Match) -> str | None:
+        self.last = None
+        sm = m.node("sm")
+        if not last_axis(sm) or m["x"].type.rank not in (3, 4):
+            return "not a softmax over the keys of 3-D or 4-D scores"
+        c = _chain(m["x"])
+        if isinstance(c, str):
+            return c
+        if c.shape4() is None:
+            return "the scores are not [b, h, q, k] (or its [b*h, q, k] merge) throughout"
+        if _canonical(c) and not _k_perm(c):
+            return "already one scale and one mask"
+        if c.flat() and c.scores.type.rank == 3 and any(v.type.rank != 3 for v in c.scores.producer.inputs):
+            return "a batched product of operands that are not 3-D"
+        found = _affine(c) if c.nodes else None
+        if isinstance(found, str):
+            return found
+        self.last = (id(sm), c, None if _canonical(c) else found)  # canonical: only k^T is rebuilt
         return None
-    found = _affine(c)
-    return found if isinstance(found, str) else None
+
+    def rewrite(self, b: Builder, m: Match) -> Value:
+        if self.last is None or self.last[0] != id(m.node("sm")):
+            raise InternalError("score-chain rewrote a softmax its check did not pass")
+        _, c, found = self.last
+        self.last = None
+        return _rewrite(b, m, c, found)
 
 
-def _rewrite(b: Builder, m: Match) -> Value:
-    c = _chain(m["x"])
-    assert not isinstance(c, str), c
+def _rewrite(b: Builder, m: Match, c: _Chain, found: tuple[float, Mask] | None) -> Value:
     shape4 = c.shape4()
     assert shape4 is not None
     s = c.scores
@@ -310,9 +325,7 @@ def _rewrite(b: Builder, m: Match) -> Value:
         k4 = b.op("transpose", [kt.producer.inputs[0]], {"perm": (0, 2, 1, 3)}, name=f"{kt.name}_k")
         s = b.op("matmul", [mm.inputs[0], b.op("transpose", [k4], {"perm": (0, 1, 3, 2)}, name=f"{kt.name}_kt")],
                  name=s.name)
-    if c.nodes and not _canonical(c):
-        found = _affine(c)
-        assert not isinstance(found, str), found
+    if found is not None:
         scale, whole = found
         dt = c.scores.type.dtype.torch
         if scale != 1.0:
@@ -359,7 +372,8 @@ class ScoreChain(RewritePass):
     name = "score-chain"
 
     def rules(self) -> Sequence[Rule]:
-        return [Rule("score-scale-and-mask", op("softmax", var("x"), bind="sm"), _rewrite, _check),
+        probed = _Probed()
+        return [Rule("score-scale-and-mask", op("softmax", var("x"), bind="sm"), probed.rewrite, probed.check),
                 Rule("batched-probabilities-4d", op("matmul", op("reshape", var("p4"), bind="p3r"), var("v3")),
                      _pv_rewrite, _pv_check)]
 
