@@ -33,6 +33,11 @@ from npuc.ir import ConstSource, TensorSource, TensorType
 _INT_INPUTS = {"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"}
 
 
+def _damaged(msg: str) -> NpucError:
+    return NpucError("NPUC-E0305", msg, "the checkpoint does not match its config.json: re-save it with "
+                     "save_pretrained", exit_code=EXIT_IO)
+
+
 class SafetensorsSource:
     """One tensor of a safetensors file, read on demand and cast to the model's dtype."""
 
@@ -70,11 +75,17 @@ class StackedExpertsSource:
 
     in_memory = False
 
-    def __init__(self, parts: list[list[SafetensorsSource]]) -> None:
-        self.parts = parts
+    def __init__(self, parts: list[list[SafetensorsSource]], shape: tuple[int, ...]) -> None:
+        self.parts, self.shape = parts, shape
 
     def load(self) -> torch.Tensor:
-        return torch.cat([torch.stack([s.load() for s in experts]) for experts in self.parts], dim=1)
+        try:
+            t = torch.cat([torch.stack([s.load() for s in experts]) for experts in self.parts], dim=1)
+        except RuntimeError as e:  # experts stored at different shapes
+            raise _damaged(f"{self.describe()} do not stack: {str(e).splitlines()[0]}"[:300]) from None
+        if tuple(t.shape) != self.shape:
+            raise _damaged(f"{self.describe()} stack to {list(t.shape)}; config.json makes it {list(self.shape)}")
+        return t
 
     def describe(self) -> str:
         first = self.parts[0][0]
@@ -97,7 +108,7 @@ def _experts_source(name: str, shape: tuple[int, ...], dtype: torch.dtype, index
         if not all(k is not None and k in index for k in keys):
             return None
         parts.append([SafetensorsSource(index[k][0], k, dtype, index[k][1]) for k in keys if k is not None])
-    return StackedExpertsSource(parts)
+    return StackedExpertsSource(parts, shape)
 
 
 class ConvertedSource:
@@ -108,16 +119,23 @@ class ConvertedSource:
     in_memory = False
 
     def __init__(self, converter: Any, first: str, target: str, parts: list[tuple[str, SafetensorsSource]],
-                 module: nn.Module) -> None:
+                 module: nn.Module, shape: tuple[int, ...]) -> None:
         self.converter, self.first, self.target, self.parts, self.module = converter, first, target, parts, module
+        self.shape = shape
 
     def load(self) -> torch.Tensor:
         conv = copy.deepcopy(self.converter)
         for pattern, src in self.parts:
             conv.add_tensor(self.first, src.key, pattern, src.load)  # a callable: read when converted
-        out = conv.convert(self.first, model=self.module, config=getattr(self.module, "config", None))
-        t = out[self.target]
-        t = t[0] if isinstance(t, list) else t
+        try:
+            out = conv.convert(self.first, model=self.module, config=getattr(self.module, "config", None))
+            t = out[self.target]
+            t = t[0] if isinstance(t, list) else t
+        except Exception as e:  # noqa: BLE001 - transformers' converter on tensors of the wrong shapes
+            raise _damaged(f"{self.describe()} cannot be converted: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+        if tuple(t.shape) != self.shape:
+            raise _damaged(f"{self.describe()} converts to {list(t.shape)}; config.json makes it {list(self.shape)}")
         return t.to(self.parts[0][1].dtype).contiguous()
 
     def describe(self) -> str:
@@ -346,11 +364,15 @@ def load_hf_dir(path: Path) -> LoadedModel:
     def source(name: str, p: nn.Parameter) -> ConstSource | None:
         key = stored(name)
         if key is not None:
-            return SafetensorsSource(index[key][0], key, p.dtype, index[key][1])
+            file, layout = index[key]
+            if layout is not None and layout[1] != tuple(p.shape):  # from_pretrained refuses it too
+                raise _damaged(f"{os.path.basename(file)}:{key} is stored as {list(layout[1])}; config.json makes "
+                               f"{name} {list(p.shape)}")
+            return SafetensorsSource(file, key, p.dtype, layout)
         if name in converted:
             conv, first, keys = converted[name]
             return ConvertedSource(conv, first, name, [(pat, SafetensorsSource(index[k][0], k, p.dtype, index[k][1]))
-                                                       for pat, k in keys], module)
+                                                       for pat, k in keys], module, tuple(p.shape))
         return None
 
     for pid, names in owners.items():

@@ -8,6 +8,7 @@ into the `.om` 8 MiB at a time and never held whole in memory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -48,6 +49,8 @@ _ST_DTYPES = {"F64": "f64", "F32": "f32", "F16": "f16", "BF16": "bf16", "I64": "
 
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def safetensors_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
@@ -77,6 +80,9 @@ def safetensors_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int, 
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= st.st_size - 8 - n) \
                     or any(d < 0 for d in shape):
                 raise bad(f"tensor {str(key)[:80]!r} lies outside the file or has a negative dim")
+            size = _ST_ITEMSIZE.get(info["dtype"])
+            if size is not None and end - start != size * math.prod(shape):
+                raise bad(f"tensor {str(key)[:80]!r} is {info['dtype']}{list(shape)} in {end - start} bytes")
             out[key] = (_ST_DTYPES.get(info["dtype"], ""), shape, 8 + n + start, end - start)
         return out
     except NpucError:

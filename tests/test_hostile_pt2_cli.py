@@ -281,3 +281,55 @@ def test_a_hostile_safetensors_header_is_refused(header: bytes, hf_checkpoints: 
     assert r.returncode == 4, r.stderr
     assert r.stderr.startswith("npuc: error NPUC-E0407: ") and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no output file
+
+
+def _damage_tensor(src: Path, folder: Path, key_part: str, how: str) -> str:
+    """Copy checkpoint `src` to `folder` with the first tensor whose key holds `key_part` stored
+    transposed or cropped, as a checkpoint saved for another config holds it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, folder)
+    f = next(folder.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    key = next(k for k in sorted(tensors) if key_part in k)
+    t = tensors[key]
+    tensors[key] = (t.t() if how == "transposed" else t[:-1]).contiguous()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return key
+
+
+@pytest.mark.parametrize("how", ["transposed", "cropped"])
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused(how: str, hf_checkpoints: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """A stored tensor whose shape is not the one config.json makes (same size or not) is the
+    checkpoint's fault: a coded error naming it, not a bug report and not silently reshaped."""
+    key = _damage_tensor(hf_checkpoints["llama"], tmp_path / "ckpt", "mlp.up_proj", how)
+    r = cli("compile", str(tmp_path / "ckpt"), "--input_shape", "input_ids:1,8", "--output", str(tmp_path / "out" / "m"))
+    assert r.returncode == 4, r.stderr
+    assert r.stderr.startswith("npuc: error NPUC-E0305: ") and key in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "bug" not in r.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_an_expert_of_the_wrong_shape_is_refused(moe_checkpoint: Path, tmp_path: Path) -> None:
+    """Experts stored one tensor each and stacked when read (transformers' converter, or npuc's
+    own stacking under older transformers): one cropped expert is a coded error at compile."""
+    _damage_tensor(moe_checkpoint, tmp_path / "ckpt", "experts.3.up_proj", "cropped")
+    r = cli("compile", str(tmp_path / "ckpt"), "--input_shape", "input_ids:1,8", "--output", str(tmp_path / "out" / "m"))
+    assert r.returncode == 4, r.stderr
+    assert r.stderr.startswith("npuc: error NPUC-E0305: ") and "Traceback" not in r.stderr, r.stderr
+    assert "experts" in r.stderr and "bug" not in r.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_safetensors_header_whose_sizes_disagree_is_refused(tmp_path: Path) -> None:
+    """A tensor whose byte range is not its dtype times its shape would be read short or long."""
+    from npuc.compiler.weights import safetensors_layout
+
+    body = b'{"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 16]}}'
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(len(body).to_bytes(8, "little") + body + bytes(16))
+    with pytest.raises(NpucError, match=r"NPUC-E0407: .* tensor 'w' is F32\[4, 4\] in 16 bytes"):
+        safetensors_layout(str(f))
