@@ -33,6 +33,7 @@ from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Node, Value, distinct_outputs
 from npuc.ir.evaluate import evaluate_value, reads_inputs
 from npuc.passes.attention_fusion import hides_nothing, mask_window
+from npuc.passes.decode_check import DecodeCheck, DecodeProbe
 from npuc.passes.kv_cache import FROM_DATA, UNCHECKED, KVCache, LongTrace
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
@@ -263,6 +264,20 @@ def _long_window(g: Graph, n: Node) -> int | None:
     return mask_window(values, q_len, k_len)
 
 
+def _check_position_scaling(loaded: LoadedModel, max_seq_len: int) -> None:
+    """Llama 4 scales the queries of its NoPE layers by log(floor((pos + 1) / floor_scale) + 1)
+    * attn_scale + 1: 1 below floor_scale positions, which is where the decode program is
+    traced, so a cache reaching past it would decode with the wrong scale."""
+    cfg = getattr(loaded.module, "config", None)
+    floor = getattr(cfg, "floor_scale", None)
+    if loaded.kind == "hf" and getattr(cfg, "attn_temperature_tuning", False) and isinstance(floor, int) \
+            and 0 in (getattr(cfg, "no_rope_layers", None) or []) and max_seq_len >= floor:
+        raise NpucError("NPUC-E0123", f"cannot compile a decode program: the attention temperature of the "
+                        f"model's NoPE layers changes at position {floor - 1} (floor_scale - 1), and decode would keep "
+                        "the scale of its first positions",
+                        f"give --max_seq_len of at most {floor - 1}", exit_code=EXIT_UNSUPPORTED)
+
+
 def _layers(loaded: LoadedModel) -> int:
     """The layers a Hugging Face model's config declares (0 for other sources: not known)."""
     if loaded.kind != "hf":
@@ -327,6 +342,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
     source = Source(loaded.kind, loaded.files)
+    _check_position_scaling(loaded, max_seq_len)
     programs = _one_trace(loaded, shapes, max_seq_len)
     if programs is not None:
         try:
@@ -709,12 +725,14 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
                                  quant_activations=target.quant_activations)]
     cache_len = align_up(max_seq_len, target.matrix_tile)
     last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
+    probe = DecodeProbe()  # prefill's pipeline records it, decode's checks against it
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, trace.tables, position, trace.windows,
                                      trace.decode_positions, trace.layers, trace.alibi) if trace else
                              KVCache(role, cache_len, (), position),
                              last if role == "prefill" else None,
-                             quantize, quant_activations=target.quant_activations)
+                             quantize, quant_activations=target.quant_activations,
+                             decode_check=DecodeCheck(role, probe))
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
 
 

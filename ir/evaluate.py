@@ -113,3 +113,34 @@ def _loaded(v: Value) -> torch.Tensor:
     if v.const is None:
         raise InternalError(f"{v.name} has no value to evaluate")
     return v.const.load()
+
+
+def run_graph(g: Graph, feeds: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Run all of `g` with the reference kernels: (its outputs by name, its states' new values
+    by name), from `feeds`, which names every input and every state. Ops that update a state in
+    place (kv_write) update the fed tensor: pass copies to keep them. A value is dropped after
+    its last use, so a run holds about what the runtime's arena would."""
+    last: dict[int, int] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            last[id(v)] = i
+    roots = g.root_ids()
+    env: dict[int, torch.Tensor] = {}
+    for v in [*g.inputs, *g.states.values()]:
+        if v.name not in feeds:
+            raise InternalError(f"run_graph: no value for {v.name}")
+        env[id(v)] = feeds[v.name]
+    with torch.no_grad():
+        for i, n in enumerate(g.nodes):
+            ins = [env[id(v)] if id(v) in env else _loaded(v) for v in n.inputs]
+            for o, t in zip(n.outputs, get_op(n.op).run(ins, n.attrs), strict=True):
+                env[id(o)] = t
+            for v in n.inputs:
+                if last.get(id(v)) == i and id(v) not in roots and v.producer is not None:
+                    env.pop(id(v), None)
+
+    def value(v: Value) -> torch.Tensor:
+        return env[id(v)] if id(v) in env else _loaded(v)
+
+    return ({v.name: value(v) for v in g.outputs},
+            {name: value(v) for name, v in g.state_updates.items()})

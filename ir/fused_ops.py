@@ -295,6 +295,41 @@ def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(q.shape[:3] + (vc.shape[-1],), q.dtype)]
 
 
+def _conv_window(cache: torch.Tensor, pos: torch.Tensor, k: int, dilation: int) -> torch.Tensor:
+    """The rows a causal conv reads for the token at `pos`, oldest first, as [b, c, k]; rows
+    before position 0 are zeros (the conv's left padding)."""
+    rows = int(pos.reshape(-1)[0]) - dilation * torch.arange(k - 1, -1, -1, device=cache.device)
+    window = cache[:, 0].index_select(1, rows.clamp(min=0))
+    return torch.where((rows >= 0)[None, :, None], window, torch.zeros((), dtype=cache.dtype)).transpose(1, 2)
+
+
+def _cached_conv1d_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
+    cache, w, pos = xs[:3]
+    window = _conv_window(cache, pos, w.shape[2], a["dilation"]).to(w.dtype)
+    return F.conv1d(window, w, xs[3] if len(xs) > 3 else None, 1, 0, 1, a["groups"])  # the window is dilated
+
+
+@op("cached_conv1d", ("cache", "w", "position", "bias?"), {"dilation": Attr("int", 1), "groups": Attr("int", 1)},
+    kernel=_cached_conv1d_kernel, unit="vector",
+    flops=lambda i, o, a: 2 * o[0].numel * i[1].shape[1] * i[1].shape[2],
+    traffic=lambda i, o, a: (i[0].shape[0] * i[1].shape[2] * i[0].shape[3] * i[0].dtype.itemsize
+                             + sum(t.nbytes for t in i[1:]) + o[0].nbytes),
+    doc="a causal 1-D convolution's output for the one token at `position`, from the conv inputs cached "
+        "by position: cache [b,1,max_len,c] (kv_write's rows), w [o, c/groups, k] (+ bias [o]); it reads "
+        "rows position-dilation*(k-1)..position, those before 0 as zeros. Out [b, o, 1]")
+def _cached_conv1d(ins: T, attrs: A) -> list[TensorType]:
+    cache, w, pos = ins[:3]
+    g, d = attrs["groups"], attrs["dilation"]
+    if cache.rank != 4 or cache.shape[1] != 1 or w.rank != 3 or g < 1 or d < 1 or cache.shape[3] != w.shape[1] * g \
+            or w.shape[0] % g or not cache.dtype.is_float:
+        raise ShapeError(f"cached_conv1d cache {cache} (channels last) does not fit w {w} with groups={g}")
+    if len(ins) > 3 and ins[3].shape != (w.shape[0],):
+        raise ShapeError(f"cached_conv1d bias {ins[3]} must be [{w.shape[0]}]")
+    if pos.shape != (1,) or pos.dtype not in (DType.i64, DType.i32):
+        raise ShapeError(f"cached_conv1d position {pos} should be i64[1]")
+    return [TensorType((cache.shape[0], w.shape[0], 1), _same_dtype(ins[1:2] + ins[3:]))]
+
+
 def _mla_dims(ins: T) -> tuple[int, int, int, int, int, int, int, int]:
     """b, h, s, keys, nope, rope, latent rank, v dim of an mla_attention."""
     q_nope, q_rot, kv, w_uk, w_uv = ins[:5]

@@ -25,6 +25,12 @@ fusions downstream need to know only that form.
           DeepSeek-V3.2's sparse attention selects its keys so: at a length up to its
           index_topk it selects them all, and its mask is the causal one)
 
+    %y = mul(matmul(softmax[axis=-1](%s), %v), sigmoid(sub(logsumexp(%s), @sink)))
+                                         ->  %y = matmul(slice[0:L](softmax(concat(%s, @sink_column))), %v)
+         (Granite-SWA's sink gate: softmax(s) * sigmoid(lse(s) - sink) is exp(s) / (sum exp(s)
+          + exp(sink)), gpt-oss' extra column, which attention fusion takes as `sinks`; the
+          logsumexp as the frontends decompose it, max + log(sum(exp(s - max))))
+
 Left alone: a division by a constant with more than one element (x / c is not
 x * (1/c) bit for bit when c varies, and the fusions do not need it), and a
 matmul whose weight is an activation.
@@ -35,8 +41,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from npuc.ir import Value, get_op
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, is_const, op, var
+from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, any_of, const, is_const, last_axis, op, var
 
 
 def _is_float(v: Value) -> bool:
@@ -122,6 +130,47 @@ def _every_position(m: Match) -> str | None:
     return None
 
 
+def _sink_gate_pattern() -> object:
+    mx = op("reduce_max", var("s"), bind="mx")
+    lse = op("add", op("log", op("reduce_sum", op("exp", op("sub", var("s"), mx)), bind="sum")), mx)
+    gate = op("sigmoid", op("sub", any_of(op("reshape", lse), lse), var("sink", is_const)))
+    pv = op("matmul", op("softmax", var("s"), bind="sm"), var("v"), bind="pv")
+    return op("mul", pv, any_of(op("reshape", gate, bind="gate"), gate))
+
+
+def _sink_heads(m: Match) -> torch.Tensor | str:
+    """The per-head sink logits [h] the gate subtracts from the scores' logsumexp, or why not."""
+    s, sm = m["s"], m.node("sm")
+    b, h, q, _ = s.type.shape if s.type.rank == 4 else (0, 0, 0, 0)
+    if not h or not last_axis(sm):
+        return "the softmax is not over the last axis of 4-D scores"
+    for name in ("mx", "sum"):
+        a = get_op(m.node(name).op).full_attrs(m.node(name).attrs)
+        if tuple(x % 4 for x in a["axes"]) != (3,) or not a["keepdim"]:
+            return "the logsumexp is not over the keys"
+    if m.matched[0].outputs[0].type.shape != m["pv"].type.shape:
+        return "the gate broadcasts the attention output"
+    t = m.data("sink").float()
+    try:
+        t = torch.broadcast_to(t, (b, h, q) if t.dim() <= 3 else (b, h, q, 1)).reshape(b, h, q)
+    except RuntimeError:
+        return f"the sink {m['sink'].type} is not one logit per head"
+    if not bool((t == t[:1, :, :1]).all()):
+        return "the sink logits vary along batch or queries"
+    return t[0, :, 0]
+
+
+def _sink_gate_rewrite(b: Builder, m: Match) -> Value:
+    heads = _sink_heads(m)
+    assert not isinstance(heads, str), heads
+    s = m["s"]
+    bb, h, q, length = s.type.shape
+    col = b.const(f"{m['sink'].name}_column", heads.to(s.type.dtype.torch).reshape(1, h, 1, 1).expand(bb, h, q, 1)
+                  .contiguous())
+    probs = b.op("softmax", [b.op("concat", [s, col], {"axis": 3})], {"axis": 3})
+    return b.op("matmul", [b.op("slice", [probs], {"axis": 3, "start": 0, "end": length, "step": 1}), m["v"]])
+
+
 def _matmul_to_linear(b: Builder, m: Match) -> Value:
     return b.op("linear", [m["x"], m["w"]], {"weight_layout": "kn"})
 
@@ -162,6 +211,8 @@ class Canonicalize(RewritePass):
             Rule("scatter-every-position", op("scatter_elements", var("data"), var("idx"), var("upd", is_const),
                                               bind="scatter"),
                  lambda b, m: m["upd"], check=_every_position),
+            Rule("sink-gate-to-sink-column", _sink_gate_pattern(), _sink_gate_rewrite,
+                 check=lambda m: r if isinstance(r := _sink_heads(m), str) else None),
             Rule("matmul-to-linear",
                  op("matmul", var("x", lambda v: v.type.rank >= 2),
                     var("w", lambda v: v.is_const and v.type.rank == 2)), _matmul_to_linear),

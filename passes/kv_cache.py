@@ -60,9 +60,16 @@ cached attention too. Its width comes from the model traced at the cache length
       %o = fused_attention[causal=true, window=16](%q, %k, %v)
       %o = cached_attention[window=16](%q, %wk, %wv, %position)     decode
 
-Refused with NPUC-E0123: no fused attention, a non-causal prefill, an attention mask
-that is not the plain causal one (here or at the cache length), or positions that are
-not all RoPE (the decode program would bake position 0 in).
+A causal convolution over the sequence (the short conv of LFM2-style mixers) caches its
+inputs by position, one state `conv_cache.<i>` of [batch, 1, cache_len, channels] each,
+and decode convolves its token's window of them (`_conv`). The same conv opens state-space
+and linear-attention mixers, whose recurrence after it has no state here: the decode-check
+pass, right after this one, refuses a decode program that disagrees with prefill.
+
+Refused with NPUC-E0123: no fused attention or causal conv, a conv over the sequence that
+is not causal, a non-causal prefill, an attention mask that is not the plain causal one
+(here or at the cache length), or positions that are not all RoPE (the decode program
+would bake position 0 in).
 """
 
 from __future__ import annotations
@@ -137,19 +144,19 @@ class KVCache(Pass):
     alibi: Sequence[tuple[float, ...]] = field(default=(), compare=False)
 
     def call(self, g: Graph) -> PassResult:
-        conv = next((n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1), None)
-        if conv is not None:  # before the attention count: it says what the other layers are
-            raise _refuse(f"{conv.name} convolves over the sequence (the short convolution of a state-space, "
-                          "linear-attention or gated-conv mixer): decode would need its recurrent state, and "
-                          "npuc caches attention keys and values only")
+        convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
+        for n in convs:
+            if self._causal_conv(n) is None:
+                raise _refuse(f"{n.name} convolves over the sequence, but not causally (left padding of its "
+                              "dilated kernel, stride 1, its first outputs read): decode cannot cache its inputs")
         attn = [n for n in g.nodes if n.op in ("fused_attention", "mla_attention")]
-        if not attn:
+        if not attn and not convs:
             raise _refuse("the graph has no fused attention to cache")
-        if len(attn) < self.layers:
+        if len(attn) < self.layers and not convs:  # with convs, the decode-check pass stands for this
             raise _refuse(f"{len(attn)} fused attention(s) for {self.layers} layers: a layer whose token mixing is "
                           "not an attention npuc fuses (linear attention, a state-space mixer) would decode "
                           "without its past")
-        seq = attn[0].inputs[0].type.shape[2]
+        seq = attn[0].inputs[0].type.shape[2] if attn else convs[0].inputs[0].type.shape[2]
         if self.cache_len < seq:
             raise _refuse(f"a cache of {self.cache_len} rows cannot hold the {seq} positions of one run")
         if self.role == "decode":
@@ -168,14 +175,74 @@ class KVCache(Pass):
                           f"this program {len(attn)}")
         for i, n in enumerate(attn):
             self._attention(g, n, i, pos, seq)
+        for i, n in enumerate(convs):
+            self._conv(g, n, i, pos, seq)
         ropes = [n for n in g.nodes if n.op == "rope_lut"]
-        if not ropes and not self.decode_positions and not any(self.alibi):  # ALiBi's bias moves with position
+        # ALiBi's bias moves with the position; a model of convs alone has no positions
+        if attn and not ropes and not self.decode_positions and not any(self.alibi):
             raise _refuse("no rotary position embedding was fused (positions that are not RoPE "
                           "cannot move with the decoded token)")
         shared: dict[int, tuple[Value, Value]] = {}
         for r in ropes:
             self._rope(g, r, pos, seq, shared)
-        return PassResult(g, True, {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)})
+        details = {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)}
+        return PassResult(g, True, {**details, **({"conv_caches": len(convs)} if convs else {})})
+
+    @staticmethod
+    def _causal_conv(n: Node) -> list[Value] | None:
+        """What reads a causal conv's outputs 0..s-1 (s = its input's length): the conv itself,
+        or the slices that drop what its right padding adds. None if it is not causal so."""
+        x, w = n.inputs[0], n.inputs[1]
+        d, (left, right) = n.attrs.get("dilation", 1), n.attrs.get("pads", (0, 0))
+        seq = x.type.shape[2]
+        if n.attrs.get("stride", 1) != 1 or left != d * (w.type.shape[2] - 1):
+            return None
+        out = n.outputs[0]
+        if right == 0:
+            return [out]
+        slices = out.users()
+        if not slices or not all(u.op == "slice" and u.attrs["axis"] % 3 == 2 and u.attrs.get("start", 0) == 0
+                                 and u.attrs.get("step", 1) == 1 and min(u.attrs["end"], out.type.shape[2]) == seq
+                                 and u.inputs[0] is out for u in slices):
+            return None
+        return [u.outputs[0] for u in slices]
+
+    def _conv(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
+        """A causal conv over the sequence caches its inputs by position, [b, 1, cache_len, c]:
+        prefill writes them and convolves as before; decode writes its token's and convolves
+        the last k of them:
+
+            %y = slice[axis=2, end=1](conv1d[pads=[2,2], groups=64](%x, @w))      decode, k = 3
+        ->
+            %r = reshape[shape=[1,1,1,64]](%x)
+            %wx = kv_write(%conv_cache.0, %r, %position)
+            %y = cached_conv1d[groups=64](%wx, @w, %position)
+        """
+        x, w = n.inputs[0], n.inputs[1]
+        b, c, s = x.type.shape
+        if s != seq:
+            raise _refuse(f"{n.name} convolves {s} positions, the program runs {seq}")
+        rows = x
+        if s > 1:
+            rows = g.add_node("transpose", [rows], [TensorType((b, s, c), x.type.dtype)], {"perm": (0, 2, 1)},
+                              names=f"{n.name}.rows_t", before=n).outputs[0]
+        rows = g.add_node("reshape", [rows], [TensorType((b, 1, s, c), x.type.dtype)], {"shape": (b, 1, s, c)},
+                          names=f"{n.name}.rows", before=n).outputs[0]
+        written = self._write(g, f"conv_cache.{i}", rows, pos, n)
+        if self.role != "decode":
+            return
+        reads = self._causal_conv(n)
+        assert reads is not None  # checked in call
+        ins = [written, w, pos, *n.inputs[2:3]]
+        new = g.add_node("cached_conv1d", ins, [TensorType((b, w.type.shape[0], 1), n.outputs[0].type.dtype)],
+                         {"dilation": n.attrs.get("dilation", 1), "groups": n.attrs.get("groups", 1)},
+                         names=n.name + CACHED,
+                         before=n)
+        for v in reads:
+            g.replace_all_uses_with(v, new.outputs[0])
+            if v.producer is not n:
+                g.remove_node(v.producer)
+        g.remove_node(n)
 
     def _attention(self, g: Graph, n: Node, i: int, pos: Value, seq: int) -> None:
         latent = n.op == "mla_attention"

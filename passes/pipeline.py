@@ -10,6 +10,7 @@ from npuc.passes.canonicalize import Canonicalize
 from npuc.passes.constant_folding import ConstantFolding
 from npuc.passes.cse import CommonSubexpressionElimination
 from npuc.passes.dce import DeadCodeElimination
+from npuc.passes.decode_check import DecodeCheck
 from npuc.passes.kv_cache import KVCache
 from npuc.passes.last_token_logits import LastTokenLogits
 from npuc.passes.manager import Pass
@@ -27,9 +28,11 @@ from npuc.passes.swiglu_fusion import SwiGLUFusion
 def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype: frozenset[str] = frozenset(),
                      tile: int = 16, max_head_dim: int = 256, kv_cache: KVCache | None = None,
                      last_token: LastTokenLogits | None = None, quantize: Quantize | None = None,
-                     quant_activations: DType | None = DType.bf16) -> list[Pass]:
+                     quant_activations: DType | None = DType.bf16,
+                     decode_check: DecodeCheck | None = None) -> list[Pass]:
     """`kv_cache` (a prefill or decode program of a model with --max_seq_len) runs once
-    attention is fused, before precision and alignment see the result; so does
+    attention is fused, before precision and alignment see the result, and `decode_check`
+    (the two programs' DecodeCheck, sharing one probe) right after it; so does
     `last_token` (a prefill program computing the logits of one row). `quantize`
     (--quant_type) stores the weights of the fused products packed; quant-fusion, which
     always runs, makes products over packed weights (quantized or imported) read them so;
@@ -49,6 +52,7 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         AttentionFusion(),
         MLAFusion(),                # DeepSeek's latent attention, before the cache is laid out
         *([kv_cache] if kv_cache is not None else []),
+        *([decode_check] if decode_check is not None else []),  # decode agrees with prefill
         *([last_token] if last_token is not None else []),  # then precision and alignment see a 1-row head
         BiasFusion(),
         *([quantize] if quantize is not None else []),  # once products and their biases are whole

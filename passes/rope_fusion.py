@@ -33,7 +33,8 @@ tables are applied and hands them to `rope_lut` with the position ids.
            sub(mul(%a, @cos), mul(%b, @sin)), add(mul(%a, @sin), mul(%b, @cos)))) [b, h, s, d]
   ->
     %y = rope_lut[layout="interleaved"](reshape(%x) [b, h, s, d], @positions, @cos_table, @sin_table)
-    (the reshape only where %x has another shape: a single-head k [b, s, d])
+    (the reshape only where %x has another shape: a single-head k [b, s, d]; Llama 4 ropes
+    [b, s, h, d] by tables [1, s, 1, d/2, 1], so its x is transposed to heads first and back)
 
     %y = rotary_embedding(%x, @cos, @sin [, %position_ids])   ONNX opset 23
   ->
@@ -256,25 +257,49 @@ def _complex_check(m: Match) -> str | None:
     if (ra["start"], ra["end"], ra["step"], ia["start"], ia["end"], ia["step"]) != (0, 1, 1, 1, 2, 1):
         return "the slices are not the real and imaginary parts"
     for name in ("cos", "sin"):
-        t = m[name].type
-        if t.rank < 3 or t.shape[-3:] != (seq, d // 2, 1):
-            return f"{name} table {t} is not [.., {seq}, {d // 2}, 1]"
-        if _rows(m.data(name).squeeze(-1), seq) is None:
-            return "the cos/sin tables vary along batch or heads"
+        rows = _complex_rows(m, name)
+        if isinstance(rows, str):
+            return rows
     return None
+
+
+def _seq_first(m: Match) -> bool:
+    """Whether the rotation runs on [batch, seq, heads, d] (Llama 4 ropes before moving the
+    heads forward): its tables are [.., seq, 1, d/2, 1], broadcast over the heads."""
+    y, t = m.matched[0].outputs[0].type, m["cos"].type
+    return t.rank >= 4 and t.shape[-4:] == (y.shape[1], 1, y.shape[3] // 2, 1) and y.shape[2] != 1
+
+
+def _complex_rows(m: Match, name: str) -> torch.Tensor | str:
+    """The [positions, d/2] table behind the broadcast `name` column, or why not."""
+    y, t = m.matched[0].outputs[0].type, m[name].type
+    seq, d = (y.shape[1] if _seq_first(m) else y.shape[2]), y.shape[3]
+    data = m.data(name).squeeze(-1)
+    if _seq_first(m):
+        if t.shape[-4:] != (seq, 1, d // 2, 1):
+            return f"{name} table {t} is not [.., {seq}, 1, {d // 2}, 1]"
+        data = data.squeeze(-2)
+    elif t.rank < 3 or t.shape[-3:] != (seq, d // 2, 1):
+        return f"{name} table {t} is not [.., {seq}, {d // 2}, 1]"
+    rows = _rows(data, seq)
+    return "the cos/sin tables vary along batch or heads" if rows is None else rows
 
 
 def _complex_rewrite(b: Builder, m: Match) -> Value:
     x, y = m["x"], m.matched[0].outputs[0].type
     if x.type.shape != y.shape:
         x = b.op("reshape", [x], {"shape": y.shape})
-    seq, dt = y.shape[-2], y.dtype.torch
+    first = _seq_first(m)
+    if first:  # rope_lut rotates [batch, heads, seq, d]
+        x = b.op("transpose", [x], {"perm": (0, 2, 1, 3)})
+    seq, dt = x.type.shape[2], y.dtype.torch
     tables = []
     for name in ("cos", "sin"):
-        rows = _rows(m.data(name).squeeze(-1), seq)
-        assert rows is not None  # the check refused this already
+        rows = _complex_rows(m, name)
+        assert not isinstance(rows, str), rows  # the check refused this already
         tables.append(b.const(f"{m[name].name}_lut", rows.to(dt).contiguous()))
-    return b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": "interleaved"})
+    out = b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": "interleaved"})
+    return b.op("transpose", [out], {"perm": (0, 2, 1, 3)}) if first else out
 
 
 def _complex_pattern() -> object:

@@ -255,12 +255,23 @@ def check_ops(path: str, m: Any, prog: Any, dtypes: list[DType]) -> None:
 # or id may name. An index stored in the weights is read and checked here (a few KB at most);
 # a `position` input is checked by the session against the KV cache's rows, so the tables
 # it indexes must hold that many; an index computed at run time is checked by the kernel.
-_INDEXES = {"rope_lut": (1, 2, 0), "kv_write": (2, 0, 2), "cached_attention": (3, 1, 2)}
+_INDEXES = {"rope_lut": (1, 2, 0), "kv_write": (2, 0, 2), "cached_attention": (3, 1, 2), "cached_conv1d": (2, 0, 2)}
 _SMALL = 1 << 20
 
 
+def position_rows(m: Any) -> int:
+    """The positions a `position` input may name: the KV cache's rows, and no more than the
+    metadata's max_seq_len (the cache is rounded up to the tile; the RoPE tables, traced at
+    max_seq_len, hold that many rows). 0: the model has no cache."""
+    rows = min((int(t.shape[2]) for t in m.tensors if t.region == "state" and len(t.shape) == 4), default=0)
+    meta = next((e.value for e in m.metadata if e.key == "max_seq_len"), None)
+    n = _ints(meta) if meta is not None else None
+    return min(rows, n[0]) if rows and n is not None and len(n) == 1 and n[0] > 0 else rows
+
+
 def check_indices(path: str, m: Any, prog: Any, weights: Any) -> None:
-    cache = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4]
+    rows = position_rows(m)
+    cache = [rows] if rows else []
     inputs = {m.tensors[i].name: i for i in prog.inputs}
     for op in prog.ops:
         checks = [_INDEXES[op.op]] if op.op in _INDEXES else []
@@ -287,7 +298,7 @@ def _check_index(path: str, m: Any, op: Any, which: tuple[int, int, int], weight
                                  f"{idx.name!r}, which holds {int(vals.min())}..{int(vals.max())}")
     elif inputs.get("position") == op.inputs[which[0]] and cache and rows < min(cache):
         raise bad(E_INVALID, f"{path}: op {op.name!r} ({op.op}) indexes {rows} rows of {table.name!r} by "
-                             f"position, which runs to the KV cache's {min(cache)} rows")
+                             f"position, which runs to {min(cache)} (the KV cache's rows, up to max_seq_len)")
 
 
 def check_plan(path: str, m: Any, prog: Any) -> int:

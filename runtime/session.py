@@ -30,7 +30,7 @@ from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
 from npuc.runtime import native
 from npuc.runtime.launch import Bound, Launchers, tail_rows_read
-from npuc.runtime.om_validate import attr_value, validate_model
+from npuc.runtime.om_validate import attr_value, position_rows, validate_model
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ class Session:
         self.inputs, self.outputs = first.inputs, first.outputs
         self.arena_bytes = checked.arena_bytes
         self.state_bytes = checked.state_bytes
-        self._cache_rows = min((t.shape[2] for t in self.tensors if t.region == "state" and len(t.shape) == 4),
-                               default=0)
+        self._cache_rows = position_rows(model)
         self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -202,8 +201,9 @@ class Session:
                                 "convert the input", exit_code=EXIT_USAGE)
             if t.name == "position" and self._cache_rows:
                 if any(not 0 <= pos < self._cache_rows for pos in x.reshape(-1).tolist()):
-                    raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the KV cache's "
-                                    f"{self._cache_rows} rows", "positions run from 0 to --max_seq_len - 1",
+                    raise NpucError("NPUC-E0108", f"position {x.tolist()} is outside the "
+                                    f"{self._cache_rows} positions the model caches",
+                                    "positions run from 0 to --max_seq_len - 1",
                                     exit_code=EXIT_USAGE)
             rows, table = self._index_rows[p.name].get(t.name, (0, True))
             # The kernels count a negative index from the end; the row of last_token (which

@@ -1,6 +1,7 @@
-"""Canonicalize's scatter-every-position rule, FileCheck style: a scatter whose indices are a
-whole-axis top-k writes every position, so a constant update uniform along that axis is the
-result (DeepSeek-V3.2's sparse-attention mask at a length its top-k covers)."""
+"""Canonicalize's rules, FileCheck style: a scatter whose indices are a whole-axis top-k
+writes every position, so a constant update uniform along that axis is the result
+(DeepSeek-V3.2's sparse-attention mask at a length its top-k covers); a softmax of a
+max-shift is the softmax; a sigmoid(logsumexp - sink) gate is a sink column (Granite-SWA)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,46 @@ def test_a_max_over_another_axis_is_no_shift() -> None:
           return %y
         }
         """, "softmax-of-max-shift", "the maximum is not over the softmax's axis")
+
+
+SINK_GATE = """
+    graph main(%s : f32[1,2,3,4], %v : f32[1,2,4,8]) {
+      const @sink : f32[1,2,1]
+      %mx : f32[1,2,3,1] = reduce_max[axes=[3], keepdim=true](%s)
+      %sh : f32[1,2,3,4] = sub(%s, %mx)
+      %e : f32[1,2,3,4] = exp(%sh)
+      %sum : f32[1,2,3,1] = reduce_sum[axes=[3], keepdim=true](%e)
+      %lg : f32[1,2,3,1] = log(%sum)
+      %lse4 : f32[1,2,3,1] = add(%lg, %mx)
+      %lse : f32[1,2,3] = reshape[shape=[1,2,3]](%lse4)
+      %d : f32[1,2,3] = sub(%lse, @sink)
+      %g : f32[1,2,3] = sigmoid(%d)
+      %p : f32[1,2,3,4] = softmax[axis=3](%s)
+      %pv : f32[1,2,3,8] = matmul(%p, %v)
+      %g4 : f32[1,2,3,1] = reshape[shape=[1,2,3,1]](%g)
+      %y : f32[1,2,3,8] = mul(%pv, %g4)
+      return %y
+    }
+    """
+
+
+def test_a_sink_gate_is_a_sink_column() -> None:
+    # -- canonicalize: Granite-SWA scales attention by sigmoid(logsumexp(s) - sink): the same as
+    #    gpt-oss' sink logit as one more softmax column, which attention fusion takes as `sinks` --
+    check(Canonicalize(), SINK_GATE, """
+        graph main(%s : f32[1,2,3,4], %v : f32[1,2,4,8]) {
+          const @sink : f32[1,2,1]
+          const @sink_column : f32[1,2,3,1]
+          %y_concat : f32[1,2,3,5] = concat[axis=3](%s, @sink_column)
+          %y_softmax : f32[1,2,3,5] = softmax[axis=3](%y_concat)
+          %y_slice : f32[1,2,3,4] = slice[axis=3, end=4, start=0, step=1](%y_softmax)
+          %y : f32[1,2,3,8] = matmul(%y_slice, %v)
+          return %y
+        }
+        """, {"sink": torch.tensor([[[0.5], [-1.0]]])}, numerics=True)
+
+
+def test_refuses_a_sink_gate_that_varies_along_the_queries() -> None:
+    src = SINK_GATE.replace("const @sink : f32[1,2,1]", "const @sink : f32[1,1,3]")
+    refuses(Canonicalize(), src, "sink-gate-to-sink-column", "the sink logits vary along batch or queries",
+            {"sink": torch.tensor([[[0.5, 0.1, -1.0]]])})

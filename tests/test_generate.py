@@ -246,7 +246,7 @@ def test_prefill_holds_no_memory_beyond_its_outputs(gen_models: dict[str, Path])
 def test_decode_position_outside_the_cache_is_a_user_error(gen_models: dict[str, Path]) -> None:
     sess = Session.load(str(gen_models["llama"]))
     for pos in (-1, 48):
-        with pytest.raises(NpucError, match="NPUC-E0108.*outside the KV cache"):
+        with pytest.raises(NpucError, match="NPUC-E0108.*outside the 48 positions the model caches"):
             sess.run({"input_ids": torch.tensor([[5]]), "position": torch.tensor([pos])}, "decode")
 
 
@@ -312,3 +312,18 @@ def test_learned_positions_generation_matches_hf(arch: str, prompt_len: int, tmp
     got = list(steps(sess, prompt, NEW, ignore_eos=True))
     assert [t for t, _ in got] == want
     assert max(float((lg - w).abs().max()) for (_, lg), w in zip(got, want_logits, strict=True)) < 1e-4
+
+
+def test_a_max_seq_len_off_the_tile_generates_to_its_end(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The cache is rounded up to the matrix tile (39 -> 48 rows) and the RoPE tables hold the
+    39 positions traced: the model loads, decodes every position up to 38 as HF does, and a
+    position past max_seq_len is a user error, not a read past the tables."""
+    om = compile_model(str(hf_checkpoints["llama"]), input_shape="input_ids:1,8", output=str(tmp_path / "m"),
+                       max_seq_len=39)
+    sess = Session.load(om)
+    prompt = [5, 6, 7]
+    got = generate(sess, prompt, 64, ignore_eos=True)
+    assert len(got) == 39 - len(prompt) + 1
+    assert got == _hf_generate(_hf(hf_checkpoints["llama"]), prompt, len(got))[0]
+    with pytest.raises(NpucError, match="NPUC-E0108.*outside the 39 positions the model caches"):
+        sess.run({"input_ids": torch.tensor([[5]]), "position": torch.tensor([39])}, "decode")

@@ -375,15 +375,18 @@ def test_refuses_fewer_attentions_than_layers() -> None:
         KVCache("prefill", CACHE, [TABLES], 0, layers=LAYERS + 1)(build(4))
 
 
-def test_refuses_a_convolution_over_the_sequence() -> None:
-    # A hybrid's short-conv mixer needs its past tokens in decode: named, before any count.
+@pytest.mark.parametrize(("pads", "why"), [((1, 1), "mixer_conv convolves over the sequence, but not causally"),
+                                           ((2, 0), "mixer_conv convolves 8 positions, the program runs 4")])
+def test_refuses_a_convolution_it_cannot_cache(pads: tuple[int, int], why: str) -> None:
+    # A conv's inputs are cached by position when it is causal over the program's tokens
+    # (tests/test_conv_cache.py); one that sees later tokens, or runs along another axis, is named.
     g = build(4)
     x = g.outputs[0]
     seq = node(g, "reshape", [x], {"shape": (B, HQ * 4, D)}, name="seq")
-    y = node(g, "conv1d", [seq, const(g, "w", torch.randn(HQ * 4, 1, 3))], {"pads": (2, 0), "groups": HQ * 4},
+    y = node(g, "conv1d", [seq, const(g, "w", torch.randn(HQ * 4, 1, 3))], {"pads": pads, "groups": HQ * 4},
              name="mixer_conv")
     g.set_outputs([y])
-    refused(g, match="mixer_conv convolves over the sequence")
+    refused(g, match=why)
 
 
 def test_refuses_a_mask_at_the_cache_length_computed_from_the_tokens() -> None:

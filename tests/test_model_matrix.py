@@ -104,3 +104,35 @@ def test_sparse_attention_past_its_top_k_is_refused(tmp_path: Path) -> None:
     with pytest.raises(NpucError, match="computed from the tokens") as e:
         compile_model(str(tmp_path / "dsa"), input_shape="input_ids:1,8", output=str(tmp_path / "no"), max_seq_len=48)
     assert e.value.code == "NPUC-E0123" and not (tmp_path / "no.om").exists()
+
+
+def test_llama4_nope_layers_decode_up_to_their_temperature_floor(tmp_path: Path) -> None:
+    """Llama 4's NoPE layers scale their queries by a factor that leaves 1 at floor_scale - 1
+    positions; decode is traced where it is 1, so a cache reaching that position is refused,
+    and one below it decodes as HF does (the rope layers rope [batch, seq, heads, d])."""
+    import torch
+    import transformers as tf
+    from hf_models import hf_greedy
+    from model_matrix import tiny_config
+
+    from npuc.compiler.driver import compile_model
+    from npuc.errors import NpucError
+    from npuc.runtime import Session
+    from npuc.runtime.generate import generate
+
+    if "llama4_text" not in in_scope():
+        pytest.skip("this transformers has no Llama 4")
+    cfg = tiny_config("llama4_text")
+    cfg.no_rope_layers, cfg.floor_scale, cfg.attn_scale = [1, 0], 40, 0.5
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(str(tmp_path / "l4"))
+    with pytest.raises(NpucError, match="changes at position 39") as e:
+        compile_model(str(tmp_path / "l4"), input_shape="input_ids:1,8", output=str(tmp_path / "no"), max_seq_len=40)
+    assert e.value.code == "NPUC-E0123" and not (tmp_path / "no.om").exists()
+    om = compile_model(str(tmp_path / "l4"), input_shape="input_ids:1,8", output=str(tmp_path / "ok"), max_seq_len=39)
+    prompt = [5, 17, 3, 99, 42, 7]
+    assert generate(Session.load(om), prompt, 30, ignore_eos=True) == hf_greedy(model, prompt, 30)
