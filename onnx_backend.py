@@ -521,7 +521,8 @@ executes the `.om`. Nothing else ever evaluates the ONNX model (no onnxruntime, 
 
 - `SUPPORTED_OPS`: the ONNX frontend's converters (`CONVERTERS` in `compiler/onnx_frontend.py`),
   domain `ai.onnx`; {n_ops} operators, listed in the table below.
-- `SUPPORTED_OPSETS`: the model's `ai.onnx` opset is {min_opset} to {max_opset} (the frontend refuses others).
+- `SUPPORTED_OPSETS`: the model's `ai.onnx` opset is {min_opset} to {max_opset} (the frontend refuses others;
+  below 17 it upgrades the model with ONNX's version converter first, `compiler/onnx_opsets.py`).
 - `SUPPORTED_ELEM_TYPES`: every tensor in the model (inputs, outputs, initializers, attribute
   tensors, and intermediates after ONNX shape inference) is one of {elem_types}.
 - `COMPILE_TIME_OPERANDS`: npuc compiles static graphs, so operands that fix output shapes or
@@ -531,9 +532,10 @@ executes the `.om`. Nothing else ever evaluates the ONNX model (no onnxruntime, 
 {operands}
 
 Variants of a supported operator that npuc refuses with `NPUC-E0304` stay in scope and count as
-failures when a case uses them: `Attention` with
-`nonpad_kv_seqlen` (opset 24), 3-D `Attention` without `q_num_heads`/`kv_num_heads`, `Dropout`
-in training mode with a non-zero ratio.
+failures when a case uses them: `Attention` with both `nonpad_kv_seqlen` and a past cache
+(the spec forbids it), 3-D `Attention` without `q_num_heads`/`kv_num_heads`, `Dropout` in
+training mode with a non-zero ratio. Opset 24's `nonpad_kv_seqlen` and opset 25's window sizes
+are run-time or compile-time masks built in the graph.
 
 ## Extended check
 
@@ -546,7 +548,7 @@ and are reported apart (they are not in the conformance figure):
   values as initializers, as an exporter with static shapes would have them.
 
 The pytest test asserts at least 95% there, so converters that the in-scope cases do not reach
-(most cases are at opsets 13-16 or 24-28) are still checked against ONNX's data.
+(most cases are at opsets below 11 or above 25) are still checked against ONNX's data.
 
 ## Results
 

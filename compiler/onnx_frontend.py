@@ -1,4 +1,5 @@
-"""ONNX frontend: an `.onnx` file (opsets 17-23) to npuc IR.
+"""ONNX frontend: an `.onnx` file (opsets 11-25; below 17 upgraded first, compiler/onnx_opsets.py)
+to npuc IR.
 
 - The file is read without its external data: initializers stored beside it stay
   there as `OnnxTensorSource`s and are read one at a time when the `.om` is
@@ -17,7 +18,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from npuc.compiler.onnx_checks import check_graph, check_model, converting, external_data
+from npuc.compiler.onnx_opsets import MAX_OPSET as MAX_OPSET  # re-exported: `npuc ops`, onnx_backend
+from npuc.compiler.onnx_opsets import OLDEST, ai_onnx_opset, domain_opset, to_native
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import file_range_chunks
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, InternalError, NpucError
@@ -35,7 +37,7 @@ from npuc.ir import DType, Graph, TensorSource, TensorType, Value, distinct_outp
 from npuc.ir.evaluate import fold_node, foldable
 from npuc.ir.ops import ShapeError, broadcast
 
-MIN_OPSET, MAX_OPSET = 17, 23
+MIN_OPSET = OLDEST  # read from here; below MIN_NATIVE through ONNX's version converter (onnx_opsets.py)
 # Values computed while importing (shape arithmetic, masks) up to this size become constants at once.
 _EAGER_FOLD_BYTES = 1 << 20
 
@@ -120,6 +122,7 @@ class OnnxModel:
     opset: int
     inputs: dict[str, DeclaredInput]
     files: list[str] = field(default_factory=list)
+    written: int = 0  # the ai.onnx opset the file was written at (below `opset`: upgraded)
 
 
 def load_onnx(path: str) -> OnnxModel:
@@ -132,14 +135,14 @@ def load_onnx(path: str) -> OnnxModel:
         raise NpucError("NPUC-E0407", f"cannot read {path!r} as an ONNX model: {str(e).splitlines()[0]}",
                         "export it with torch.onnx.export or onnx.save", exit_code=EXIT_IO) from None
     check_model(proto, path)  # structure, tensor sizes, external data: before anything else reads it
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if not MIN_OPSET <= opset <= MAX_OPSET:
-        raise NpucError("NPUC-E0310", f"{path!r} uses ONNX opset {opset}; npuc reads opsets {MIN_OPSET} to {MAX_OPSET}",
-                        "re-export at a supported opset, or convert it with onnx.version_converter",
-                        exit_code=EXIT_UNSUPPORTED)
+    to_native(proto, path)  # the opset is one npuc reads, before any conversion runs
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
-        check_graph(proto.graph, opset)  # function bodies are checked as inlined
+        check_graph(proto.graph, ai_onnx_opset(proto))  # function bodies are checked as inlined
+    proto, written = to_native(proto, path)
+    opset = ai_onnx_opset(proto)
+    if written != opset:
+        check_graph(proto.graph, opset)  # what the version converter wrote
     inits = {t.name for t in proto.graph.initializer}
     inputs = {}
     for vi in proto.graph.input:
@@ -151,7 +154,7 @@ def load_onnx(path: str) -> OnnxModel:
         if tt.HasField("shape"):
             dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
         inputs[vi.name] = DeclaredInput(dtype, dims)
-    model = OnnxModel(proto, path, opset, inputs, [path])
+    model = OnnxModel(proto, path, opset, inputs, [path], written)
     base = os.path.dirname(os.path.abspath(path))
     for ext in (external_data(t, base) for t in proto.graph.initializer if t.data_location == 1):
         if ext.path not in model.files:
@@ -257,7 +260,10 @@ def check_supported(model: OnnxModel) -> None:
     bad: Counter[str] = Counter()
     for n in model.proto.graph.node:
         if op_key(n) not in CONVERTERS:
-            bad[f"{n.domain or 'ai.onnx'}::{n.op_type} (opset {model.opset})"] += 1
+            version = model.written if n.domain in ("", "ai.onnx") and model.written else \
+                domain_opset(model.proto, n.domain)
+            bad[f"{n.domain or 'ai.onnx'}::{n.op_type}" + (f" ({n.domain or 'ai.onnx'} opset {version})"
+                                                           if version is not None else "")] += 1
     if bad:
         listing = ", ".join(f"{k} x{v}" for k, v in sorted(bad.items()))
         raise NpucError("NPUC-E0301", f"the model uses {len(bad)} operator(s) npuc does not support: {listing}",
@@ -466,6 +472,16 @@ def _is_inf(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) ->
     assert ins[0] is not None
     return [ctx.one("is_inf", [ins[0]], {"detect_negative": bool(a.get("detect_negative", 1)),
                                          "detect_positive": bool(a.get("detect_positive", 1))})]
+
+
+@converts("Swish")
+def _swish(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    x = ins[0]  # opset 24: x * sigmoid(alpha * x)
+    assert x is not None
+    alpha = float(a.get("alpha", 1.0))
+    if alpha == 1.0:
+        return [ctx.one("silu", [x])]
+    return [ctx.one("mul", [x, ctx.one("sigmoid", [ctx.one("mul", [x, ctx.const(alpha, x.type.dtype)])])])]
 
 
 @converts("Gelu")
@@ -899,143 +915,6 @@ def _arg(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> li
                                                  "select_last": bool(a.get("select_last_index", 0))})]
 
 
-@converts("RMSNormalization", "LayerNormalization")
-def _norm(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
-    x = ins[0]
-    assert x is not None
-    op = "rms_norm" if node.op_type == "RMSNormalization" else "layer_norm"
-    params = [v for v in ins[1:] if v is not None]
-    axis, eps = a.get("axis", -1) % x.type.rank, a.get("epsilon", 1e-5)
-    y = ctx.one(op, [x, *params], {"axis": axis, "eps": eps})
-    if not any(node.output[1:]):
-        return [y]
-    # LayerNormalization's Mean and InvStdDev (training outputs), in the stash type: the
-    # fused op does not expose them, so they are recomputed from the same formula.
-    stash = onnx_dtype(a.get("stash_type", 1), ctx.where)
-    xs = ctx.cast(x, stash)
-    red = {"axes": tuple(range(axis, x.type.rank)), "keepdim": True}
-    mean = ctx.one("reduce_mean", [xs], red, name=f"{node.output[0]}_mean")
-    dev = ctx.one("sub", [xs, mean])
-    var = ctx.one("reduce_mean", [ctx.one("mul", [dev, dev])], red)
-    inv = ctx.one("reciprocal", [ctx.one("sqrt", [ctx.one("add", [var, ctx.const(eps, stash)])])])
-    return [y, mean, inv]
-
-
-@converts("RotaryEmbedding")
-def _rotary(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
-    vals = [v for v in ins if v is not None]
-    return [ctx.one("rotary_embedding", vals, {"interleaved": bool(a.get("interleaved", 0)),
-                                               "num_heads": a.get("num_heads", 0),
-                                               "rotary_dim": a.get("rotary_embedding_dim", 0)})]
-
-
-@converts("Attention")
-def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
-    """`sdpa` when the fused op covers the node; else the spec's formula in primitive ops
-    (softcap, a qk_matmul_output, a softmax_precision other than the inputs')."""
-    q, k, v = ins[0], ins[1], ins[2]
-    assert q is not None and k is not None and v is not None
-    mask, past_k, past_v = (ins[i] if len(ins) > i else None for i in (3, 4, 5))
-    if len(ins) > 6 and ins[6] is not None:
-        raise ctx.unsupported("Attention with nonpad_kv_seqlen")
-    if (past_k is None) != (past_v is None):
-        raise ctx.unsupported("Attention with only one of past_key and past_value")
-    three_d = q.type.rank == 3
-    if three_d:  # [b, s, heads*d] -> [b, heads, s, d]
-        qh, kvh = a.get("q_num_heads", 0), a.get("kv_num_heads", 0)
-        if not qh or not kvh:
-            raise ctx.unsupported("3-D Attention without q_num_heads/kv_num_heads")
-
-        def heads(x: Value, n: int) -> Value:
-            b, s, hd = x.type.shape
-            return ctx.one("transpose", [ctx.reshape(x, (b, s, n, hd // n))], {"perm": (0, 2, 1, 3)})
-
-        q, k, v = heads(q, qh), heads(k, kvh), heads(v, kvh)
-    past = 0
-    if past_k is not None and past_v is not None:  # the KV cache grows along the sequence axis
-        past = past_k.type.shape[2]
-        k = ctx.one("concat", [past_k, k], {"axis": 2}, name=f"{node.output[0]}_present_key")
-        v = ctx.one("concat", [past_v, v], {"axis": 2}, name=f"{node.output[0]}_present_value")
-    dt = q.type.dtype
-    lq, lk = q.type.shape[-2], k.type.shape[-2]
-    if mask is not None and mask.type.shape[-1] < lk:  # a short mask covers the first keys only
-        fill = ctx.one("full", [], {"shape": mask.type.shape[:-1] + (lk - mask.type.shape[-1],),
-                                    "value": 0.0 if mask.type.dtype == DType.bool else -math.inf,
-                                    "dtype": mask.type.dtype})
-        mask = ctx.one("concat", [mask, fill], {"axis": mask.type.rank - 1})
-    causal = bool(a.get("is_causal", 0))
-    softcap = float(a.get("softcap", 0.0))
-    mode = int(a.get("qk_matmul_output_mode", 0))
-    want_qk = len(node.output) > 3 and bool(node.output[3])
-    precision = onnx_dtype(a["softmax_precision"], ctx.where) if "softmax_precision" in a else dt
-    fused = not softcap and not want_qk and precision == dt
-    if causal and (past or mask is not None or not fused):
-        # Bottom-right causal frontier (query i sees key j <= i + past), composed with the mask
-        # as the spec says: a bool mask intersects it, a float mask gets -inf outside it.
-        allowed = ctx.const(np.tril(np.ones((lq, lk), dtype=bool), past), DType.bool, f"{node.output[0]}_causal")
-        if mask is None:
-            mask = allowed
-        elif mask.type.dtype == DType.bool:
-            mask = ctx.one("bitwise_and", [mask, allowed])
-        else:
-            mask = ctx.one("where", [allowed, mask, ctx.const(-math.inf, mask.type.dtype)])
-        causal = False
-    gqa = q.type.shape[-3] != k.type.shape[-3]
-    qk: Value | None = None
-    if fused:
-        ops = [q, k, v] + ([mask] if mask is not None else [])
-        y = ctx.one("sdpa", ops, {"scale": a.get("scale"), "causal": causal, "gqa": gqa})
-    else:
-        y, qk = _attention_math(ctx, q, k, v, mask, a.get("scale"), softcap, mode, precision)
-    if three_d:
-        b, h, s, d = y.type.shape
-        y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, h * d))
-    return [y, k, v, qk]  # present_key/value are the (grown) K and V
-
-
-def _attention_math(ctx: _Ctx, q: Value, k: Value, v: Value, mask: Value | None, scale: float | None,
-                    softcap: float, mode: int, precision: DType) -> tuple[Value, Value]:
-    """Attention as the spec writes it, over [b, heads, s, d]; returns (Y, qk_matmul_output).
-
-        qk = (q*sqrt(scale)) @ (k*sqrt(scale))^T   -> mode 0
-        qk = softcap * tanh(qk / softcap)           -> mode 1
-        qk = qk + bias(mask)                        -> mode 2
-        p  = softmax(qk), 0 on fully masked rows    -> mode 3
-        Y  = p @ v
-    """
-    dt = q.type.dtype
-    hq, hk = q.type.shape[-3], k.type.shape[-3]
-    if hq != hk:  # GQA: each KV head serves hq/hk consecutive query heads
-        def repeat(x: Value) -> Value:
-            b, h, s, d = x.type.shape
-            x = ctx.one("expand", [ctx.reshape(x, (b, h, 1, s, d))], {"shape": (b, h, hq // h, s, d)})
-            return ctx.reshape(x, (b, hq, s, d))
-
-        k, v = repeat(k), repeat(v)
-    root = ctx.const(math.sqrt(scale if scale is not None else 1 / math.sqrt(q.type.shape[-1])), dt)
-    kt = ctx.one("transpose", [ctx.one("mul", [k, root])], {"perm": (0, 1, 3, 2)})
-    qk = ctx.one("matmul", [ctx.one("mul", [q, root]), kt])
-    outs = {0: qk}
-    if softcap > 0:
-        cap = ctx.const(softcap, dt)
-        qk = ctx.one("mul", [ctx.one("tanh", [ctx.one("div", [qk, cap])]), cap])
-    outs[1] = qk
-    bias = None
-    if mask is not None:
-        bias = mask if mask.type.dtype != DType.bool else \
-            ctx.one("where", [mask, ctx.const(0.0, dt), ctx.const(-math.inf, dt)])
-        qk = ctx.one("add", [qk, bias])
-    outs[2] = qk
-    p = ctx.cast(ctx.one("softmax", [ctx.cast(qk, precision)], {"axis": 3}), dt)
-    if bias is not None:  # a row whose every key is masked attends to nothing: zeros, not NaN
-        top = ctx.one("reduce_max", [bias], {"axes": (bias.type.rank - 1,), "keepdim": True})
-        dead = ctx.one("eq", [top, ctx.const(-math.inf, dt)])
-        p = ctx.one("where", [dead, ctx.const(0.0, dt), p])
-    outs[3] = p
-    if mode not in outs:
-        raise ctx.unsupported(f"qk_matmul_output_mode {mode}")
-    return ctx.one("matmul", [p, v]), outs[mode]
-
-
-# Quantized weights (DequantizeLinear, com.microsoft::MatMulNBits) register their converters here.
-from npuc.compiler import onnx_quant  # noqa: E402
+# The transformer ops (norms, RoPE, Attention) and quantized weights (DequantizeLinear,
+# com.microsoft::MatMulNBits) register their converters here.
+from npuc.compiler import onnx_llm_ops, onnx_quant  # noqa: E402, F401  (registration)

@@ -1,4 +1,4 @@
-"""ONNX quantized weights: `DequantizeLinear` (opsets 17-23; blocked and int4 from 21) and
+"""ONNX quantized weights: `DequantizeLinear` (opsets 11-25; blocked and int4 from 21) and
 onnxruntime's `com.microsoft::MatMulNBits`, converted into npuc's one quantized layout
 (ir/quant.py) at import, so quant-fusion makes each product a `qlinear`:
 

@@ -1,8 +1,15 @@
-"""`--input_shape` in ATC's syntax: "name:d0,d1;name2:d0,d1".
+"""`--input_shape` in ATC's syntax: "name:d0,d1;name2:d0,d1", and by dim name.
 
 Items split on `;`, each item on its *last* `:` (ONNX names like `x:0` occur),
-dims on `,`. Every problem in the string, and every disagreement with the
-model's declared inputs, is reported in one error that lists the real inputs.
+dims on `,`. An item whose name is no input but a symbolic dim the inputs declare
+(ONNX's dim_param) binds that dim once for every input that uses it:
+
+    "batch_size:1;sequence_length:128"     input_ids [batch_size, sequence_length] -> [1, 128]
+
+An input's own item takes precedence over the names; where they disagree (or two
+explicit inputs give one name two sizes) that is NPUC-E0132. A name that is both an
+input and a dim is the input. Every problem in the string, and every disagreement
+with the model's declared inputs, is reported in one error that lists the real inputs.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class Problem:
     message: str
 
 
-HINT = 'write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16"'
+HINT = ('write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16", or bind the inputs\' '
+        'dim names, e.g. "batch_size:1;sequence_length:16"')
 
 
 def _parse(text: str) -> tuple[InputShapes, dict[str, str], list[Problem]]:
@@ -80,9 +88,9 @@ def _check(shapes: InputShapes, items: Mapping[str, str], declared: Mapping[str,
     problems = []
     for name, item in items.items():
         if name not in declared:
-            close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.5)
+            close = difflib.get_close_matches(name, [*declared, *sorted(_dim_names(declared))], n=1, cutoff=0.5)
             extra = f" (closest: {close[0]!r})" if close else ""
-            problems.append(Problem("NPUC-E0102", f"{item!r}: the model has no input {name!r}{extra}"))
+            problems.append(Problem("NPUC-E0102", f"{item!r}: the model has no input or dim named {name!r}{extra}"))
             continue
         decl = declared[name]
         if name not in shapes or decl.dims is None:
@@ -105,9 +113,51 @@ def _check(shapes: InputShapes, items: Mapping[str, str], declared: Mapping[str,
     return problems
 
 
+def _dim_names(declared: Mapping[str, DeclaredInput]) -> set[str]:
+    return {d for decl in declared.values() for d in (decl.dims or ()) if isinstance(d, str)}
+
+
+def _bind_names(shapes: InputShapes, items: dict[str, str], declared: Mapping[str, DeclaredInput]
+                ) -> list[Problem]:
+    """Move the dim-name items out of `items` and `shapes` into the inputs they size (in place)."""
+    names = _dim_names(declared) - set(declared)
+    bound: dict[str, tuple[int, str]] = {}
+    problems = []
+    for name in [n for n in items if n in names]:
+        item = items.pop(name)
+        dims = shapes.pop(name, None)
+        if dims is None:
+            continue  # its parse problem is reported already
+        if len(dims) != 1:
+            problems.append(Problem("NPUC-E0132", f"{item!r}: dim name {name!r} binds one size, not {len(dims)}"))
+            continue
+        bound[name] = (dims[0], item)
+    seen: dict[str, tuple[int, str]] = {}  # a dim name's size in the inputs given explicitly
+    for inp, decl in declared.items():
+        if decl.dims is None:
+            continue
+        if inp in shapes and len(shapes[inp]) == len(decl.dims):
+            for d, g in zip(decl.dims, shapes[inp], strict=True):
+                if not isinstance(d, str):
+                    continue
+                if d in bound and bound[d][0] != g:
+                    problems.append(Problem("NPUC-E0132", f"{items[inp]!r} makes dim {d!r} {g}, but "
+                                            f"{bound[d][1]!r} binds it to {bound[d][0]}"))
+                elif d in seen and seen[d][0] != g:
+                    problems.append(Problem("NPUC-E0132", f"dim {d!r} is {seen[d][0]} in {seen[d][1]!r} and {g} "
+                                            f"in {items[inp]!r}"))
+                seen.setdefault(d, (g, items[inp]))
+        elif inp not in items and any(isinstance(d, str) and d in bound for d in decl.dims) \
+                and all(isinstance(d, int) or d in bound for d in decl.dims):
+            shapes[inp] = tuple(d if isinstance(d, int) else bound[str(d)][0] for d in decl.dims)
+            items[inp] = ";".join(dict.fromkeys(bound[d][1] for d in decl.dims if isinstance(d, str)))
+    return problems
+
+
 def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
                          declared: Mapping[str, DeclaredInput]) -> InputShapes:
-    """The static shape of every input: from `text`, or the model's own static dims.
+    """The static shape of every input: from `text` (by input, or by dim name), or the
+    model's own static dims.
 
     Raises one NpucError (exit 2) listing every problem together with the model's inputs."""
     if isinstance(text, Mapping):
@@ -116,6 +166,7 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
         problems: list[Problem] = []
     else:
         shapes, items, problems = _parse(text or "")
+    problems += _bind_names(shapes, items, declared)
     problems += _check(shapes, items, declared)
     if problems:
         listing = ", ".join(f"{n}: {d.describe()}" for n, d in declared.items()) or "none known"

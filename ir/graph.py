@@ -60,7 +60,9 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     t = t.detach()
-    if t.numel() and (not t.is_contiguous() or any(st == 0 for st in t.stride())):
+    if not t.numel():  # an empty tensor's strides may be anything, 0 included
+        return torch.empty(0, dtype=torch.uint8)
+    if not t.is_contiguous() or any(st == 0 for st in t.stride()):
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element: "contiguous" whatever its stride

@@ -13,7 +13,8 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
 INPUTS = "model inputs: input_ids: i64[batch,seq], attention_mask: i64[batch,seq], x:0: f32[2,3]"
-HINT = 'hint: write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16"'
+HINT = ('hint: write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16", or bind the inputs\' '
+        'dim names, e.g. "batch_size:1;sequence_length:16"')
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def expect(r: subprocess.CompletedProcess[str], *lines: str) -> None:
 CASES = {
     "unknown name": (
         "input_ids:1,4;attention_mask:1,4;input_idz:1,4",
-        "npuc: error NPUC-E0102: 'input_idz:1,4': the model has no input 'input_idz' (closest: 'input_ids')"),
+        "npuc: error NPUC-E0102: 'input_idz:1,4': the model has no input or dim named 'input_idz' (closest: "
+        "'input_ids')"),
     "not an integer": (
         "input_ids:1,four;attention_mask:1,4",
         "npuc: error NPUC-E0101: 'input_ids:1,four': dim 1 ('four') is not an integer"),
@@ -73,6 +75,18 @@ CASES = {
     "fixed dim": (
         "input_ids:1,4;attention_mask:1,4;x:0:3,3",
         "npuc: error NPUC-E0115: 'x:0:3,3': dim 0 is 3, but the model fixes it to 2"),
+    "a dim name against an input's own dims": (
+        "batch:1;seq:4;input_ids:1,8",
+        "npuc: error NPUC-E0132: 'input_ids:1,8' makes dim 'seq' 8, but 'seq:4' binds it to 4"),
+    "one dim name, two sizes in the inputs": (
+        "input_ids:1,4;attention_mask:1,5",
+        "npuc: error NPUC-E0132: dim 'seq' is 4 in 'input_ids:1,4' and 5 in 'attention_mask:1,5'"),
+    "a dim name with two dims": (
+        "input_ids:1,4;attention_mask:1,4;batch:1,2",
+        "npuc: error NPUC-E0132: 'batch:1,2': dim name 'batch' binds one size, not 2"),
+    "a dim name misspelt": (
+        "input_ids:1,4;attention_mask:1,4;sequ:4",
+        "npuc: error NPUC-E0102: 'sequ:4': the model has no input or dim named 'sequ' (closest: 'seq')"),
 }
 
 
@@ -90,7 +104,7 @@ def test_all_problems_reported_together(model: Path, tmp_path: Path) -> None:
            "  - 'input_id:1,x': dim 1 ('x') is not an integer [NPUC-E0101]",
            "  - 'attention_mask:1,-1,2': dim 1 is -1; npuc compiles static shapes only [NPUC-E0101]",
            "  - input 'x:0' is given twice ('x:0:2,3' and 'x:0:2,3') [NPUC-E0116]",
-           "  - 'input_id:1,x': the model has no input 'input_id' (closest: 'input_ids') [NPUC-E0102]",
+           "  - 'input_id:1,x': the model has no input or dim named 'input_id' (closest: 'input_ids') [NPUC-E0102]",
            "  - input 'input_ids' (i64[batch,seq]) has dynamic dims and --input_shape gives it no shape [NPUC-E0113]",
            "  " + INPUTS, "  " + HINT)
 
@@ -106,3 +120,13 @@ def test_names_split_on_the_last_colon_and_static_inputs_need_no_shape(model: Pa
     np.testing.assert_array_equal(out["z"].numpy(), -x)
     path = npuc.compile(str(model), input_shape="input_ids:1,3;attention_mask:1,3;x:0:2,3", output=str(tmp_path / "b"))
     assert npuc.load(path).inputs[2].shape == (2, 3)
+
+
+def test_dim_names_bind_every_input_that_uses_them(model: Path, tmp_path: Path) -> None:
+    """ONNX's symbolic dims named once ("batch:2;seq:5") size both inputs; an input's own item
+    may sit beside them when it agrees."""
+    import npuc
+
+    for shape in ("batch:2;seq:5", " seq:5 ; batch:2 ", "batch:2;seq:5;input_ids:2,5"):
+        path = npuc.compile(str(model), input_shape=shape, output=str(tmp_path / "n"))
+        assert [t.shape for t in npuc.load(path).inputs] == [(2, 5), (2, 5), (2, 3)], shape

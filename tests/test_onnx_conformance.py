@@ -48,7 +48,7 @@ def test_in_scope_node_cases_pass(results: list[CaseResult]) -> None:
     n, passed, rate = summary(results)
     fails = failures(results)
     print(f"\nONNX node tests in scope: {n}, passed {passed} ({rate:.1%}); failures:\n{_listing(fails)}")
-    assert n >= 300, f"only {n} cases in scope: did the declared support shrink?"
+    assert n >= 700, f"only {n} cases in scope: did the declared support shrink?"
     assert rate >= MIN_PASS_RATE, f"{len(fails)} of {n} in-scope cases fail:\n{_listing(fails)}"
 
 
@@ -57,7 +57,7 @@ def test_extended_check_passes(results: list[CaseResult]) -> None:
     n, passed, rate = summary(results, extended=True)
     fails = failures(results, extended=True)
     print(f"\nextended check: {n} adapted cases, passed {passed} ({rate:.1%}); failures:\n{_listing(fails)}")
-    assert n >= 300
+    assert n >= 200  # fewer than in scope since opsets 11-16 and 24-25 are read as they are
     assert rate >= MIN_EXTENDED_PASS_RATE, _listing(fails)
 
 
@@ -109,9 +109,9 @@ def test_dynamic_dims_compile_per_input_shape() -> None:
 def test_unsupported_models_are_out_of_scope_and_refused() -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
-    old = _model([helper.make_node("Relu", ["x"], ["y"])], [x], [y], opset=13)
+    old = _model([helper.make_node("Relu", ["x"], ["y"])], [x], [y], opset=10)
     unknown = _model([helper.make_node("Hardmax", ["x"], ["y"])], [x], [y])
-    assert out_of_scope(old) == "opset 13" and out_of_scope(unknown) == "op Hardmax"
+    assert out_of_scope(old) == "opset 10" and out_of_scope(unknown) == "op Hardmax"
     assert not NpucBackend.is_compatible(old) and NpucBackend.supports_device("CPU")
     assert not NpucBackend.supports_device("CUDA")
     for m, code in ((old, "NPUC-E0310"), (unknown, "NPUC-E0301")):
