@@ -314,3 +314,48 @@ def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dic
         y = ctx.one("sdpa", ops, {"scale": scale, "causal": mask is None, "gqa": hq != hkv})
     y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, hq * d))
     return [y, kh, vh]
+
+
+@converts("com.microsoft::MultiHeadAttention")
+def _multi_head_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
+    """onnxruntime's MultiHeadAttention without a past: q [b, s, h*d]; k and v [b, kv, h*d], or
+    [b, h, kv, d] as they are; an optional packed bias [3*h*d] on q, k and v, an additive
+    attention_bias, and `unidirectional` for the causal mask. Outputs y [b, s, h*d] and the
+    present key/value [b, h, kv, d]. Packed QKV, key_padding_mask and a past are refused."""
+    def at(i: int) -> Value | None:
+        return ins[i] if len(ins) > i else None
+
+    q, k, v, bias, padding, attn_bias = (at(i) for i in range(6))
+    assert q is not None
+    if k is None or v is None or q.type.rank != 3:
+        raise ctx.unsupported("MultiHeadAttention with packed QKV")
+    if padding is not None:
+        raise ctx.unsupported("MultiHeadAttention's key_padding_mask")
+    if any(x is not None for x in ins[6:]):
+        raise ctx.unsupported("MultiHeadAttention with a past KV cache")
+    h = int(a.get("num_heads", 0))
+    b, s, width = q.type.shape
+    if not h or width % h:
+        raise ctx.unsupported(f"MultiHeadAttention of q {q.type} with num_heads {h}")
+    d = width // h
+    if bias is not None:
+        q, k3, v3 = (ctx.one("add", [x, ctx.one("slice", [bias], {"axis": 0, "start": i * width, "end": (i + 1) * width,
+                                                                  "step": 1})]) if x.type.rank == 3 else x
+                     for i, x in enumerate((q, k, v)))
+        k, v = k3, v3
+
+    def heads(x: Value) -> Value:
+        if x.type.rank == 4:
+            return x
+        return ctx.one("transpose", [ctx.reshape(x, (x.type.shape[0], x.type.shape[1], h, d))], {"perm": (0, 2, 1, 3)})
+
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    mask = attn_bias
+    if a.get("unidirectional", 0):
+        lk = kh.type.shape[2]
+        allowed = ctx.const(np.tril(np.ones((s, lk), dtype=bool), lk - s), DType.bool, f"{node.output[0]}_causal")
+        mask = _compose(ctx, mask, allowed)
+    ops = [qh, kh, vh] + ([mask] if mask is not None else [])
+    y = ctx.one("sdpa", ops, {"scale": float(a.get("scale", 0.0)) or None, "causal": False, "gqa": False})
+    y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, width))
+    return [y, kh, vh]

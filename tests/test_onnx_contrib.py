@@ -127,3 +127,21 @@ def test_group_query_attention_over_a_prompt(variant: str, tmp_path: Path) -> No
     for i in range(b):
         rows = int(lens[i]) + 1
         np.testing.assert_allclose(got[0][i, :rows], want[0][i, :rows], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["causal", "bias"])
+def test_multi_head_attention(variant: str, tmp_path: Path) -> None:
+    """MultiHeadAttention as onnxruntime's optimizer writes it: causal (unidirectional) self-
+    attention, or with the packed q/k/v bias and an additive attention_bias."""
+    b, s, h, d = 2, 5, 2, 8
+    rng = np.random.default_rng(4)
+    feeds = {n: rng.standard_normal((b, s, h * d)).astype(np.float32) for n in ("q", "k", "v")}
+    names, inits, attrs = ["q", "k", "v"], [], {"num_heads": h}
+    if variant == "causal":
+        attrs["unidirectional"] = 1
+    else:
+        names += ["bias", "", "ab"]
+        inits = [_w("bias", (3 * h * d,), 8), _w("ab", (1, h, s, s), 9)]
+    nodes = [helper.make_node("MultiHeadAttention", names, ["y"], domain=MS, **attrs)]
+    got, want, _ = _run_both(tmp_path, nodes, feeds, ["y"], inits)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
