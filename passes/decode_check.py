@@ -129,7 +129,9 @@ class DecodeCheck(Pass):
         out = g.outputs[0].type
         if out.rank != 3 or out.shape[:2] != (batch, seq) or not out.dtype.is_float:
             raise _refuse(f"the prefill program's first output {out} is not logits [batch, {seq}, vocab]")
-        vocab = out.shape[-1]
+        # token ids the model embeds: the rows of the table its ids index, within the logits' width
+        vocab = min([out.shape[-1]] + [n.inputs[0].type.shape[0] for n in g.nodes
+                                       if n.op == "gather" and len(n.inputs) == 2 and n.inputs[1] is g.inputs[0]])
         gen = torch.Generator().manual_seed(self.seed)
         dtype = g.inputs[0].type.dtype.torch
         tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(dtype)

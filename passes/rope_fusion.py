@@ -36,6 +36,13 @@ tables are applied and hands them to `rope_lut` with the position ids.
     (the reshape only where %x has another shape: a single-head k [b, s, d]; Llama 4 ropes
     [b, s, h, d] by tables [1, s, 1, d/2, 1], so its x is transposed to heads first and back)
 
+    %c = cos(f(%position_ids)), %s = sin(f(%position_ids))   optimum / TorchScript exports:
+    %y = add(mul(%x, %c), mul(rotate_half(%x), %s))          tables from the position ids input
+  ->
+    %y = rope_lut[layout="half"](%x, reshape(%position_ids), @cos_table, @sin_table)
+    (the tables evaluated from f position by position, RUNTIME_TABLE_ROWS rows; refused
+    where a row depends on other positions than its own, as a scaling by the largest does)
+
     %y = rotary_embedding(%x, @cos, @sin [, %position_ids])   ONNX opset 23
   ->
     %y = rope_lut[layout="half" | "interleaved"](...)
@@ -55,6 +62,7 @@ from typing import Literal
 import torch
 
 from npuc.ir import Node, Value, get_op
+from npuc.ir.evaluate import evaluate_value
 from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, is_const, last_axis, op, var
 
 
@@ -156,6 +164,118 @@ def _lut(layout: str, fold: Fold, source: Callable[[Match], Value] = _x) -> Call
 def _half_pattern() -> object:
     rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
     return op("add", op("mul", var("x"), var("cos", is_const)), op("mul", rot, var("sin", is_const)))
+
+
+# -- tables computed from a position ids input (optimum's and the TorchScript exporter's) ------
+
+# Rows of the tables made from such a model: positions it may be run at (a position past them
+# is refused by the runtime as an index outside its table).
+RUNTIME_TABLE_ROWS = 2048
+
+
+def _position_input(v: Value) -> list[Value]:
+    """The graph inputs (and states) `v` is computed from."""
+    seen, todo, found = set(), [v], []
+    while todo:
+        u = todo.pop()
+        if id(u) in seen or u.is_const:
+            continue
+        seen.add(id(u))
+        if u.producer is None:
+            found.append(u)
+        else:
+            todo.extend(u.producer.inputs)
+    return found
+
+
+def _evaluated_rows(m: Match, name: str, pos: Value, ids: torch.Tensor, seq: int) -> torch.Tensor | None:
+    """`name`'s [seq, d] rows with `pos` fed `ids` (laid out as its shape), or None."""
+    value = m[name]
+    feed = ids.to(pos.type.dtype.torch).reshape((1,) * (pos.type.rank - 1) + (seq,)).expand(pos.type.shape)
+    t = evaluate_value(value.graph, value, {pos.name: feed.contiguous()}, max_bytes=1 << 24)
+    return None if t is None else _rows(t, seq)
+
+
+Tables = tuple[Value, torch.Tensor, torch.Tensor]
+TableCache = dict[tuple[int, int], tuple[Value, Value, "Tables | str"]]
+
+
+def _runtime_tables(m: Match, cache: TableCache) -> Tables | str:
+    """(the position ids input, the cos and sin [rows, d/2] tables) of a rotate_half RoPE whose
+    cos/sin the graph computes from that input, position by position; or why not. Every layer's
+    q and k share the cos/sin values: evaluated once (`cache`, one pass run's)."""
+    key = (id(m["cos"]), id(m["sin"]))
+    if key not in cache:  # the entry holds the two values: their ids stay theirs for the run
+        cache[key] = (m["cos"], m["sin"], _evaluate_tables(m))
+    return cache[key][2]
+
+
+def _evaluate_tables(m: Match) -> Tables | str:
+    x = m["x"]
+    if x.type.rank != 4 or m.matched[0].outputs[0].type != x.type:
+        return "x is not [batch, heads, seq, dim] or the tables broadcast it"
+    seq, d = x.type.shape[-2:]
+    reads = {id(v): v for name in ("cos", "sin") for v in _position_input(m[name])}
+    if len(reads) != 1:
+        return f"the cos/sin tables read {len(reads)} graph inputs, not one of position ids"
+    pos = next(iter(reads.values()))
+    if pos.type.dtype.is_float or pos.type.rank not in (1, 2) or pos.type.numel != seq:
+        return f"{pos.ref()} is not the position ids of one sequence, [1, {seq}]"
+    rows = max(RUNTIME_TABLE_ROWS, seq)
+    tables = []
+    for name in ("cos", "sin"):
+        first = _evaluated_rows(m, name, pos, torch.arange(seq), seq)
+        moved = torch.arange(seq)
+        moved[-1] = rows - 1
+        other = _evaluated_rows(m, name, pos, moved, seq)
+        if first is None or other is None or first.shape[-1] != d:
+            return f"the {name} table is not [{seq}, {d}] rows of the positions"
+        if not torch.equal(first[:-1], other[:-1]):  # e.g. a scaling by the largest position
+            return f"the {name} table's rows depend on other positions than their own"
+        chunks = [first] + [_evaluated_rows(m, name, pos, torch.arange(k, k + seq), seq)
+                            for k in range(seq, rows, seq)]
+        if any(c is None for c in chunks):
+            return f"the {name} table could not be evaluated"
+        full = torch.cat([c for c in chunks if c is not None])[:rows]
+        # Row i must be the table's row p[i] for any ids, not only runs of them: positions
+        # computed from the tokens (a cumsum of a padding mask) fail here.
+        ids = torch.randint(0, rows, (seq,), generator=torch.Generator().manual_seed(0))
+        picked = _evaluated_rows(m, name, pos, ids, seq)
+        if picked is None or not torch.allclose(picked, full[ids], rtol=0, atol=1e-6):
+            return f"the {name} table's row i is not a function of position i alone"
+        h = d // 2
+        if not torch.equal(full[:, :h], full[:, h:]):
+            return "the cos/sin halves differ: not a rotate_half RoPE"
+        tables.append(full[:, :h])
+    return pos, tables[0], tables[1]
+
+
+def _runtime_check(m: Match, cache: TableCache) -> str | None:
+    x, lo, hi = m["x"], m.node("lo"), m.node("hi")
+    if m["cos"].is_const or m["sin"].is_const:
+        return "constant tables: rope-half's"
+    d = x.type.shape[-1]
+    la, ha = _attrs(lo), _attrs(hi)
+    if not (last_axis(lo) and last_axis(hi) and last_axis(m.node("cat"))) or \
+            (la["start"], la["end"], la["step"]) != (0, d // 2, 1) or (ha["start"], ha["end"], ha["step"]) != (d // 2, d, 1):
+        return "the slices are not the two halves of the head dim"
+    got = _runtime_tables(m, cache)
+    return got if isinstance(got, str) else None
+
+
+def _runtime_rewrite(b: Builder, m: Match, cache: TableCache) -> Value:
+    got = _runtime_tables(m, cache)
+    assert not isinstance(got, str), got
+    pos, cos, sin = got
+    x, dt = m["x"], m["x"].type.dtype.torch
+    ids = b.op("reshape", [pos], {"shape": (x.type.shape[-2],)}) if pos.type.rank != 1 else pos
+    tables = [b.const(f"{pos.name}_rope_{k}_table", t.to(dt).contiguous()) for k, t in (("cos", cos), ("sin", sin))]
+    return b.op("rope_lut", [x, ids, *tables], {"layout": "half"})
+
+
+def _runtime_pattern() -> object:
+    rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
+    return op("add", op("mul", var("x"), var("cos")), op("mul", rot, var("sin")))
 
 
 # -- DeepSeek: interleaved pairs in, halves out ------------------------------------------------
@@ -341,10 +461,13 @@ class RoPEFusion(RewritePass):
     name = "rope-fusion"
 
     def rules(self) -> Sequence[Rule]:
+        tables: TableCache = {}  # rope-half-positions' evaluations, this run's
         onnx3 = op("rotary_embedding", var("x"), var("cos", is_const), var("sin", is_const), bind="rot")
         onnx4 = op("rotary_embedding", var("x"), var("cos", is_const), var("sin", is_const), var("pos"), bind="rot")
         return [
             Rule("rope-half", _half_pattern(), _lut("half", "halves"), _half_check),
+            Rule("rope-half-positions", _runtime_pattern(), lambda b, m: _runtime_rewrite(b, m, tables),
+                 lambda m: _runtime_check(m, tables)),
             Rule("rope-deinterleave", _pairs_pattern(), _lut("deinterleave", "none"), _pairs_check),
             Rule("rope-complex", _complex_pattern(), _complex_rewrite, _complex_check),
             Rule("rope-every-two", _every_two_pattern(), _lut("interleaved", "pairs"), _every_two_check),
