@@ -29,7 +29,7 @@ import torch
 
 from npuc.compiler.onnx_checks import check_graph, check_model, converting, external_data
 from npuc.compiler.onnx_opsets import MAX_OPSET as MAX_OPSET  # re-exported: `npuc ops`, onnx_backend
-from npuc.compiler.onnx_opsets import OLDEST, ai_onnx_opset, domain_opset, to_native
+from npuc.compiler.onnx_opsets import OLDEST, ai_onnx_opset, check_opset, domain_opset, to_native
 from npuc.compiler.shapes import DeclaredInput
 from npuc.compiler.weights import file_range_chunks
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, InternalError, NpucError
@@ -135,7 +135,7 @@ def load_onnx(path: str) -> OnnxModel:
         raise NpucError("NPUC-E0407", f"cannot read {path!r} as an ONNX model: {str(e).splitlines()[0]}",
                         "export it with torch.onnx.export or onnx.save", exit_code=EXIT_IO) from None
     check_model(proto, path)  # structure, tensor sizes, external data: before anything else reads it
-    to_native(proto, path)  # the opset is one npuc reads, before any conversion runs
+    check_opset(proto, path)  # one npuc reads, before inlining or conversion run
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
         check_graph(proto.graph, ai_onnx_opset(proto))  # function bodies are checked as inlined

@@ -45,6 +45,18 @@ def _rotary(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) ->
                                                "rotary_dim": a.get("rotary_embedding_dim", 0)})]
 
 
+def _split_heads(ctx: _Ctx, x: Value, n: int) -> Value:
+    """[b, s, n*d] -> [b, n, s, d]."""
+    b, s, width = x.type.shape
+    return ctx.one("transpose", [ctx.reshape(x, (b, s, n, width // n))], {"perm": (0, 2, 1, 3)})
+
+
+def _merge_heads(ctx: _Ctx, y: Value) -> Value:
+    """[b, n, s, d] -> [b, s, n*d]."""
+    b, h, s, d = y.type.shape
+    return ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, h * d))
+
+
 @converts("Attention")
 def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     """`sdpa` when the fused op covers the node; else the spec's formula in primitive ops
@@ -63,11 +75,7 @@ def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
         if not qh or not kvh:
             raise ctx.unsupported("3-D Attention without q_num_heads/kv_num_heads")
 
-        def heads(x: Value, n: int) -> Value:
-            b, s, hd = x.type.shape
-            return ctx.one("transpose", [ctx.reshape(x, (b, s, n, hd // n))], {"perm": (0, 2, 1, 3)})
-
-        q, k, v = heads(q, qh), heads(k, kvh), heads(v, kvh)
+        q, k, v = _split_heads(ctx, q, qh), _split_heads(ctx, k, kvh), _split_heads(ctx, v, kvh)
     past = 0
     if past_k is not None and past_v is not None:  # the KV cache grows along the sequence axis
         past = past_k.type.shape[2]
@@ -121,8 +129,7 @@ def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
     else:
         y, qk = _attention_math(ctx, q, k, v, mask, a.get("scale"), softcap, mode, precision)
     if three_d:
-        b, h, s, d = y.type.shape
-        y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, h * d))
+        y = _merge_heads(ctx, y)
     return [y, k, v, qk]  # present_key/value are the (grown) K and V
 
 
@@ -278,9 +285,8 @@ def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dic
             raise ctx.unsupported(f"GroupQueryAttention with {attr}={a[attr]}")
     hq, hkv = int(a.get("num_heads", 0)), int(a.get("kv_num_heads", 0))
     b, s, width = q.type.shape if q.type.rank == 3 else (0, 0, 0)
-    if not hq or not hkv or not width or width % hq or k.type.shape[2] % hkv:
+    if not hq or not hkv or not width or width % hq or k.type.rank != 3 or k.type.shape[2] != hkv * (width // hq):
         raise ctx.unsupported(f"GroupQueryAttention of q {q.type} with num_heads {hq}, kv_num_heads {hkv}")
-    d = width // hq
     if a.get("do_rotary", 0):
         cos, sin = (ins[i] if len(ins) > i else None for i in (7, 8))
         if cos is None or sin is None:
@@ -290,10 +296,7 @@ def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dic
         q = ctx.one("rotary_embedding", [q, cos, sin, pos], {**rot, "num_heads": hq})
         k = ctx.one("rotary_embedding", [k, cos, sin, pos], {**rot, "num_heads": hkv})
 
-    def heads(x: Value, n: int) -> Value:
-        return ctx.one("transpose", [ctx.reshape(x, (b, s, n, d))], {"perm": (0, 2, 1, 3)})
-
-    qh, kh, vh = heads(q, hq), heads(k, hkv), heads(v, hkv)
+    qh, kh, vh = _split_heads(ctx, q, hq), _split_heads(ctx, k, hkv), _split_heads(ctx, v, hkv)
     causal = np.tril(np.ones((s, s), dtype=bool))
     seqlens = ins[5] if len(ins) > 5 else None
     lens = seqlens.const.load() if seqlens is not None and seqlens.is_const and seqlens.const is not None else None
@@ -312,8 +315,7 @@ def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dic
     else:
         ops = [qh, kh, vh] + ([mask] if mask is not None else [])
         y = ctx.one("sdpa", ops, {"scale": scale, "causal": mask is None, "gqa": hq != hkv})
-    y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, hq * d))
-    return [y, kh, vh]
+    return [_merge_heads(ctx, y), kh, vh]
 
 
 @converts("com.microsoft::MultiHeadAttention")
@@ -337,19 +339,12 @@ def _multi_head_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict
     b, s, width = q.type.shape
     if not h or width % h:
         raise ctx.unsupported(f"MultiHeadAttention of q {q.type} with num_heads {h}")
-    d = width // h
     if bias is not None:
-        q, k3, v3 = (ctx.one("add", [x, ctx.one("slice", [bias], {"axis": 0, "start": i * width, "end": (i + 1) * width,
+        q, k, v = (ctx.one("add", [x, ctx.one("slice", [bias], {"axis": 0, "start": i * width, "end": (i + 1) * width,
                                                                   "step": 1})]) if x.type.rank == 3 else x
                      for i, x in enumerate((q, k, v)))
-        k, v = k3, v3
 
-    def heads(x: Value) -> Value:
-        if x.type.rank == 4:
-            return x
-        return ctx.one("transpose", [ctx.reshape(x, (x.type.shape[0], x.type.shape[1], h, d))], {"perm": (0, 2, 1, 3)})
-
-    qh, kh, vh = heads(q), heads(k), heads(v)
+    qh, kh, vh = (x if x.type.rank == 4 else _split_heads(ctx, x, h) for x in (q, k, v))
     mask = attn_bias
     if a.get("unidirectional", 0):
         lk = kh.type.shape[2]
@@ -357,5 +352,4 @@ def _multi_head_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict
         mask = _compose(ctx, mask, allowed)
     ops = [qh, kh, vh] + ([mask] if mask is not None else [])
     y = ctx.one("sdpa", ops, {"scale": float(a.get("scale", 0.0)) or None, "causal": False, "gqa": False})
-    y = ctx.reshape(ctx.one("transpose", [y], {"perm": (0, 2, 1, 3)}), (b, s, width))
-    return [y, kh, vh]
+    return [_merge_heads(ctx, y), kh, vh]

@@ -38,13 +38,19 @@ def domain_opset(proto: Any, domain: str) -> int | None:
     return next((o.version for o in proto.opset_import if o.domain in names), None)
 
 
-def to_native(proto: Any, path: str) -> tuple[Any, int]:
-    """`proto` at an opset the converters read, and the opset it was written at."""
+def check_opset(proto: Any, path: str) -> int:
+    """The model's ai.onnx opset, refused (NPUC-E0310) outside the ones npuc reads."""
     opset = ai_onnx_opset(proto)
     if not OLDEST <= opset <= MAX_OPSET:
         raise NpucError("NPUC-E0310", f"{path!r} uses ONNX opset {opset}; npuc reads opsets {OLDEST} to {MAX_OPSET}",
                         "re-export at a supported opset (17 or newer needs no conversion)",
                         exit_code=EXIT_UNSUPPORTED)
+    return opset
+
+
+def to_native(proto: Any, path: str) -> tuple[Any, int]:
+    """`proto` at an opset the converters read, and the opset it was written at."""
+    opset = check_opset(proto, path)
     if opset >= MIN_NATIVE:
         return proto, opset
     import onnx

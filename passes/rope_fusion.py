@@ -63,7 +63,7 @@ import torch
 
 from npuc.ir import Node, Value, get_op
 from npuc.ir.evaluate import evaluate_value
-from npuc.passes.rewrite import Builder, Match, RewritePass, Rule, is_const, last_axis, op, var
+from npuc.passes.rewrite import Builder, Match, Pat, RewritePass, Rule, is_const, last_axis, op, var
 
 
 def _attrs(n: Node) -> dict[str, object]:
@@ -138,7 +138,8 @@ def _check_tables(m: Match, fold: Fold, x: Value | None = None) -> str | None:
 
 # -- half (rotate_half) --------------------------------------------------------------------
 
-def _half_check(m: Match) -> str | None:
+def _halves(m: Match) -> str | None:
+    """Why rotate_half's slices and concat (bound lo, hi, cat) are not x's two halves, or None."""
     x, lo, hi = m["x"], m.node("lo"), m.node("hi")
     d = x.type.shape[-1]
     if not (last_axis(lo) and last_axis(hi) and last_axis(m.node("cat"))):
@@ -146,7 +147,11 @@ def _half_check(m: Match) -> str | None:
     la, ha = _attrs(lo), _attrs(hi)
     if (la["start"], la["end"], la["step"]) != (0, d // 2, 1) or (ha["start"], ha["end"], ha["step"]) != (d // 2, d, 1):
         return "the slices are not the two halves of the head dim"
-    return _check_tables(m, "halves")
+    return None
+
+
+def _half_check(m: Match) -> str | None:
+    return _halves(m) or _check_tables(m, "halves")
 
 
 def _lut(layout: str, fold: Fold, source: Callable[[Match], Value] = _x) -> Callable[[Builder, Match], Value]:
@@ -161,9 +166,10 @@ def _lut(layout: str, fold: Fold, source: Callable[[Match], Value] = _x) -> Call
     return rewrite
 
 
-def _half_pattern() -> object:
+def _half_pattern(cos: Pat | None = None, sin: Pat | None = None) -> object:
+    """x * cos + rotate_half(x) * sin; cos and sin constants unless other patterns are given."""
     rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
-    return op("add", op("mul", var("x"), var("cos", is_const)), op("mul", rot, var("sin", is_const)))
+    return op("add", op("mul", var("x"), cos or var("cos", is_const)), op("mul", rot, sin or var("sin", is_const)))
 
 
 # -- tables computed from a position ids input (optimum's and the TorchScript exporter's) ------
@@ -251,14 +257,11 @@ def _evaluate_tables(m: Match) -> Tables | str:
 
 
 def _runtime_check(m: Match, cache: TableCache) -> str | None:
-    x, lo, hi = m["x"], m.node("lo"), m.node("hi")
     if m["cos"].is_const or m["sin"].is_const:
         return "constant tables: rope-half's"
-    d = x.type.shape[-1]
-    la, ha = _attrs(lo), _attrs(hi)
-    if not (last_axis(lo) and last_axis(hi) and last_axis(m.node("cat"))) or \
-            (la["start"], la["end"], la["step"]) != (0, d // 2, 1) or (ha["start"], ha["end"], ha["step"]) != (d // 2, d, 1):
-        return "the slices are not the two halves of the head dim"
+    bad = _halves(m)
+    if bad is not None:
+        return bad
     got = _runtime_tables(m, cache)
     return got if isinstance(got, str) else None
 
@@ -274,8 +277,7 @@ def _runtime_rewrite(b: Builder, m: Match, cache: TableCache) -> Value:
 
 
 def _runtime_pattern() -> object:
-    rot = op("concat", op("neg", op("slice", var("x"), bind="hi")), op("slice", var("x"), bind="lo"), bind="cat")
-    return op("add", op("mul", var("x"), var("cos")), op("mul", rot, var("sin")))
+    return _half_pattern(var("cos"), var("sin"))
 
 
 # -- DeepSeek: interleaved pairs in, halves out ------------------------------------------------
