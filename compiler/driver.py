@@ -144,7 +144,7 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
             raise NpucError("NPUC-E0401", f"model path {os.fspath(model)!r} does not exist",
                             "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
         onnx_model = load_onnx(os.fspath(model))
-        shapes = resolve_input_shapes(input_shape, onnx_model.inputs)
+        shapes = resolve_input_shapes(input_shape, onnx_model.inputs, empty_ok=True)
         return import_onnx(onnx_model, shapes), Source("onnx", onnx_model.files)
     loaded = _load(model, input_dtypes, trust_pickle)
     # Fixed kwargs are no inputs: declared_inputs leaves them out of the shape check.
@@ -236,10 +236,16 @@ def _check_room(seq: int, max_seq_len: int) -> None:
                         exit_code=EXIT_USAGE)
 
 
-def _refuse_onnx_decode() -> NpucError:
-    return NpucError("NPUC-E0123", "cannot compile a decode program from ONNX yet: its graph is fixed at the "
-                     "exported positions", "compile from the Hugging Face folder, or without --max_seq_len",
-                     exit_code=EXIT_UNSUPPORTED)
+def _onnx_programs(model: Any, input_shape: Any, max_seq_len: int) -> tuple[Graph, Graph, LongTrace, Source]:
+    """build_programs for an ONNX causal LM exported with its KV cache (compiler/onnx_decode.py)."""
+    from npuc.compiler.onnx_decode import onnx_programs
+
+    if not os.path.isfile(model):
+        raise NpucError("NPUC-E0401", f"model path {os.fspath(model)!r} does not exist",
+                        "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
+    progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION)
+    _token_ids(progs.prefill, max_seq_len)
+    return progs.prefill, progs.decode, _rope_tables(progs.full), Source("onnx", progs.files)
 
 
 # A mask at max_seq_len too large to fold is evaluated to read its window, up to this size.
@@ -316,8 +322,6 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     derives both from the prefill's trace where the model traces at any length)."""
     ids = _token_ids(prefill, max_seq_len)
     batch, _ = ids.type.shape
-    if _is_onnx(model):
-        raise _refuse_onnx_decode()
     loaded = loaded or _load(model, input_dtypes, trust_pickle)
     positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
@@ -336,9 +340,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     again. A model that does not trace at a symbolic length (a branch on it, a
     data-dependent size) is traced three times at static shapes instead."""
     if _is_onnx(model):
-        prefill, source = build_graph(model, input_shape, input_dtypes, trust_pickle=trust_pickle)
-        _token_ids(prefill, max_seq_len)
-        raise _refuse_onnx_decode()
+        return _onnx_programs(model, input_shape, max_seq_len)
     loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
     source = Source(loaded.kind, loaded.files)
@@ -484,9 +486,10 @@ def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list
     config or config), and the files read for it."""
     meta = {"programs": "prefill,decode", "max_seq_len": str(max_seq_len)}
     read: list[str] = []
-    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+    folder = _checkpoint_folder(model)
+    if folder is not None:
         for fname in ("generation_config.json", "config.json"):
-            path = os.path.join(model, fname)
+            path = os.path.join(folder, fname)
             try:
                 with open(path) as f:
                     eos = json.load(f).get("eos_token_id")
@@ -500,6 +503,16 @@ def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list
     return meta, read
 
 
+def _checkpoint_folder(model: Any) -> str | None:
+    """Where a model's generation config and tokenizer are: a Hugging Face folder, or the
+    folder an ONNX file is in (optimum and onnxruntime-genai's builder write them beside it)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    if os.path.isdir(model):
+        return os.fspath(model)
+    return os.path.dirname(os.path.abspath(model)) if _is_onnx(model) else None
+
+
 # What transformers' tokenizers are saved as; stored in the .om so `npuc generate --prompt` works.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -507,11 +520,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _tokenizer_section(model: Any) -> tuple[dict[str, bytes], list[str]]:
     """The `tokenizer` section (the folder's tokenizer files), and the files read."""
-    if not (isinstance(model, (str, os.PathLike)) and os.path.isdir(model)):
+    folder = _checkpoint_folder(model)
+    if folder is None:
         return {}, []
     files, read = {}, []
     for fname in TOKENIZER_FILES:
-        path = os.path.join(model, fname)
+        path = os.path.join(folder, fname)
         if os.path.isfile(path):
             with open(path, "rb") as f:
                 files[fname] = base64.b64encode(f.read()).decode("ascii")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,10 +188,13 @@ def supported_elem_types() -> list[int]:
 
 
 class _Ctx:
-    def __init__(self, g: Graph, opset: int) -> None:
+    def __init__(self, g: Graph, opset: int, past_elsewhere: bool = False) -> None:
         self.g = g
         self.opset = opset
         self.node: Any = None
+        # The tokens run after earlier ones whose keys npuc's KV cache holds, not the graph's
+        # (empty) past inputs: the decode program's trace (compiler/onnx_decode.py).
+        self.past_elsewhere = past_elsewhere
 
     @property
     def where(self) -> str:
@@ -270,12 +273,18 @@ def check_supported(model: OnnxModel) -> None:
                         "`npuc ops` lists the supported operators (docs/ops.md)", exit_code=EXIT_UNSUPPORTED)
 
 
-def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
+def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]],
+                fixed: Mapping[str, torch.Tensor] | None = None, *, past_elsewhere: bool = False) -> Graph:
+    """The model as npuc's IR at the static `shapes`. Inputs in `fixed` are constants of those
+    values. An input may have a 0 dim (a past KV cache of length 0, fed empty as onnxruntime
+    takes it: Concat drops it). `past_elsewhere`: see _Ctx."""
     proto = model.proto
     check_supported(model)
+    fixed = dict(fixed or {})
+    shapes = {**shapes, **{k: tuple(v.shape) for k, v in fixed.items()}}
     expected = _inferred_types(proto, shapes)
     g = Graph(proto.graph.name or "main")
-    ctx = _Ctx(g, model.opset)
+    ctx = _Ctx(g, model.opset, past_elsewhere)
     env: dict[str, Value] = {}
     base = os.path.dirname(os.path.abspath(model.path))
     for t in proto.graph.initializer:
@@ -285,6 +294,9 @@ def import_onnx(model: OnnxModel, shapes: dict[str, tuple[int, ...]]) -> Graph:
         if vi.name in env:
             continue
         dtype = onnx_dtype(vi.type.tensor_type.elem_type, f"input {vi.name!r}")
+        if vi.name in fixed:
+            env[vi.name] = ctx.const(fixed[vi.name].to(dtype.torch), dtype, vi.name)
+            continue
         env[vi.name] = g.add_input(vi.name, TensorType(shapes[vi.name], dtype))
     for node in proto.graph.node:
         ctx.node = node

@@ -77,7 +77,8 @@ def _attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
 
         q, k, v = _split_heads(ctx, q, qh), _split_heads(ctx, k, kvh), _split_heads(ctx, v, kvh)
     past = 0
-    if past_k is not None and past_v is not None:  # the KV cache grows along the sequence axis
+    if past_k is not None and past_v is not None and not (_empty(past_k) and _empty(past_v)):
+        # the KV cache grows along the sequence axis (a past of length 0, the first step, is none)
         past = past_k.type.shape[2]
         k = ctx.one("concat", [past_k, k], {"axis": 2}, name=f"{node.output[0]}_present_key")
         v = ctx.one("concat", [past_v, v], {"axis": 2}, name=f"{node.output[0]}_present_value")
@@ -265,18 +266,27 @@ def _ms_rotary(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any])
                                                               "rotary_dim": a.get("rotary_embedding_dim", 0)})]
 
 
+def _empty(v: Value) -> bool:
+    """A past KV cache of length 0 (the first step): the same as none."""
+    return v.type.numel == 0
+
+
 @converts("com.microsoft::GroupQueryAttention")
 def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict[str, Any]) -> list[Value | None]:
     """onnxruntime's GroupQueryAttention over a prompt (no past): q [b, s, hq*d], k and v
     [b, s, hkv*d], RoPE inside when `do_rotary` (positions 0..s-1 from the caches), causal
     attention whose keys stop at each sequence's `seqlens_k` (its length - 1: a right-padded
     batch). Outputs y [b, s, hq*d] and the present key/value [b, hkv, s, d]. A past KV cache
-    (generation from ONNX), packed QKV, and the optional inputs after sin_cache are refused."""
+    of length 0 is no past; a longer one, packed QKV, and the optional inputs after sin_cache
+    are refused. A total_sequence_length past s (tokens after earlier ones) is taken only
+    where npuc's cache holds the earlier keys (ctx.past_elsewhere): the new tokens attend
+    each other causally, at positions seqlens_k - (s-1) + i as onnxruntime counts them, and
+    the kv-cache pass gives them the cached keys."""
     q, k, v = ins[0], ins[1] if len(ins) > 1 else None, ins[2] if len(ins) > 2 else None
     assert q is not None
     if k is None or v is None:
         raise ctx.unsupported("GroupQueryAttention with packed QKV")
-    if any(x is not None for x in ins[3:5]):
+    if any(x is not None and not _empty(x) for x in ins[3:5]):
         raise ctx.unsupported("GroupQueryAttention with a past KV cache")
     if any(x is not None for x in ins[9:]):
         raise ctx.unsupported("GroupQueryAttention's position_ids, attention_bias or head_sink inputs")
@@ -287,21 +297,31 @@ def _group_query_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dic
     b, s, width = q.type.shape if q.type.rank == 3 else (0, 0, 0)
     if not hq or not hkv or not width or width % hq or k.type.rank != 3 or k.type.shape[2] != hkv * (width // hq):
         raise ctx.unsupported(f"GroupQueryAttention of q {q.type} with num_heads {hq}, kv_num_heads {hkv}")
+    seqlens = ins[5] if len(ins) > 5 else None
+    total = ins[6] if len(ins) > 6 else None
+    total_len = int(np.asarray(ctx.data(total, "total_sequence_length")).reshape(-1)[0]) if total is not None else s
+    later = total_len != s  # not the first prompt: the tokens follow total_len - s earlier ones
+    if later and not (ctx.past_elsewhere and seqlens is not None):
+        raise ctx.unsupported(f"GroupQueryAttention whose total_sequence_length {total_len} is not its "
+                              f"sequence length {s} with no past")
     if a.get("do_rotary", 0):
         cos, sin = (ins[i] if len(ins) > i else None for i in (7, 8))
         if cos is None or sin is None:
             raise ctx.unsupported("GroupQueryAttention with do_rotary and no cos/sin caches")
         pos = ctx.const(np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy(), DType.i64, f"{node.output[0]}_pos")
+        if later and seqlens is not None:  # onnxruntime's positions after the first prompt: seqlens_k - (s-1) + i
+            first = ctx.one("sub", [ctx.reshape(ctx.cast(seqlens, DType.i64), (b, 1)),
+                                    ctx.const(np.int64(s - 1), DType.i64, f"{node.output[0]}_s1")])
+            pos = ctx.one("add", [first, pos])
         rot = {"interleaved": bool(a.get("rotary_interleaved", 0)), "rotary_dim": 0}
         q = ctx.one("rotary_embedding", [q, cos, sin, pos], {**rot, "num_heads": hq})
         k = ctx.one("rotary_embedding", [k, cos, sin, pos], {**rot, "num_heads": hkv})
 
     qh, kh, vh = _split_heads(ctx, q, hq), _split_heads(ctx, k, hkv), _split_heads(ctx, v, hkv)
     causal = np.tril(np.ones((s, s), dtype=bool))
-    seqlens = ins[5] if len(ins) > 5 else None
     lens = seqlens.const.load() if seqlens is not None and seqlens.is_const and seqlens.const is not None else None
     mask: Value | None = None
-    if seqlens is not None and not (lens is not None and bool((lens.reshape(-1) == s - 1).all())):
+    if seqlens is not None and not later and not (lens is not None and bool((lens.reshape(-1) == s - 1).all())):
         # keys past each sequence's seqlens_k are padding: (j <= i) & (j <= seqlens_k[b]), [b, 1, s, s]
         keys = ctx.const(np.arange(s, dtype=np.int64).reshape(1, 1, 1, s), DType.i64, f"{node.output[0]}_keys")
         last = ctx.reshape(ctx.cast(seqlens, DType.i64), (b, 1, 1, 1))
@@ -323,7 +343,8 @@ def _multi_head_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict
     """onnxruntime's MultiHeadAttention without a past: q [b, s, h*d]; k and v [b, kv, h*d], or
     [b, h, kv, d] as they are; an optional packed bias [3*h*d] on q, k and v, an additive
     attention_bias, and `unidirectional` for the causal mask. Outputs y [b, s, h*d] and the
-    present key/value [b, h, kv, d]. Packed QKV, key_padding_mask and a past are refused."""
+    present key/value [b, h, kv, d]. Packed QKV, key_padding_mask and a past longer than 0
+    are refused."""
     def at(i: int) -> Value | None:
         return ins[i] if len(ins) > i else None
 
@@ -333,7 +354,7 @@ def _multi_head_attention(ctx: _Ctx, node: Any, ins: list[Value | None], a: dict
         raise ctx.unsupported("MultiHeadAttention with packed QKV")
     if padding is not None:
         raise ctx.unsupported("MultiHeadAttention's key_padding_mask")
-    if any(x is not None for x in ins[6:]):
+    if any(x is not None and not _empty(x) for x in ins[6:]):
         raise ctx.unsupported("MultiHeadAttention with a past KV cache")
     h = int(a.get("num_heads", 0))
     b, s, width = q.type.shape

@@ -6,15 +6,23 @@ dims on `,`. An item whose name is no input but a symbolic dim the inputs declar
 
     "batch_size:1;sequence_length:128"     input_ids [batch_size, sequence_length] -> [1, 128]
 
+A dim the exporter wrote as a sum of names (optimum's attention mask is
+[batch_size, "past_sequence_length + sequence_length"]) is computed from them.
+
 An input's own item takes precedence over the names; where they disagree (or two
 explicit inputs give one name two sizes) that is NPUC-E0132. A name that is both an
 input and a dim is the input. Every problem in the string, and every disagreement
 with the model's declared inputs, is reported in one error that lists the real inputs.
+
+A dim of 0 is refused (E0101) unless the caller reads zero-length inputs (`empty_ok`:
+the ONNX frontend, where a past KV cache of length 0 is the first step of generation).
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,7 +79,7 @@ def _parse(text: str) -> tuple[InputShapes, dict[str, str], list[Problem]]:
             if v == -1:
                 problems.append(Problem("NPUC-E0101", f"{item!r}: dim {j} is -1; npuc compiles static shapes only"))
                 bad = True
-            elif v <= 0:
+            elif v < 0:
                 problems.append(Problem("NPUC-E0101", f"{item!r}: dim {j} is {v}; dims must be positive"))
                 bad = True
             dims.append(v)
@@ -114,7 +122,47 @@ def _check(shapes: InputShapes, items: Mapping[str, str], declared: Mapping[str,
 
 
 def _dim_names(declared: Mapping[str, DeclaredInput]) -> set[str]:
-    return {d for decl in declared.values() for d in (decl.dims or ()) if isinstance(d, str)}
+    """Every symbolic dim the inputs declare, and the names an expression dim is made of."""
+    names = set()
+    for d in (d for decl in declared.values() for d in (decl.dims or ()) if isinstance(d, str)):
+        names.add(d)
+        names.update(_expr_names(d))
+    return names
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _expr_names(dim: str) -> set[str]:
+    """The names of a dim written as an expression ("past_sequence_length + sequence_length");
+    nothing for a plain name or text that is no sum, difference or product of names and integers."""
+    try:
+        tree = ast.parse(dim, mode="eval").body
+    except (SyntaxError, ValueError):
+        return set()
+    if isinstance(tree, ast.Name) or not _arith(tree):
+        return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _arith(e: ast.AST) -> bool:
+    if isinstance(e, ast.BinOp):
+        return type(e.op) in _OPS and _arith(e.left) and _arith(e.right)
+    return isinstance(e, ast.Name) or (isinstance(e, ast.Constant) and type(e.value) is int)
+
+
+def _evaluate(dim: str, bound: Mapping[str, int]) -> int | None:
+    """An expression dim's size from the bound names, or None if one is unbound."""
+    def ev(e: ast.AST) -> int | None:
+        if isinstance(e, ast.BinOp):
+            a, b = ev(e.left), ev(e.right)
+            return None if a is None or b is None else _OPS[type(e.op)](a, b)
+        if isinstance(e, ast.Name):
+            return bound.get(e.id)
+        return e.value if isinstance(e, ast.Constant) and isinstance(e.value, int) else None
+    if not _expr_names(dim):
+        return None
+    return ev(ast.parse(dim, mode="eval").body)
 
 
 def _bind_names(shapes: InputShapes, items: dict[str, str], declared: Mapping[str, DeclaredInput]
@@ -140,6 +188,10 @@ def _bind_names(shapes: InputShapes, items: dict[str, str], declared: Mapping[st
             for d, g in zip(decl.dims, shapes[inp], strict=True):
                 if not isinstance(d, str):
                     continue
+                total = _evaluate(d, {k: v[0] for k, v in bound.items()})
+                if total is not None and total != g:
+                    problems.append(Problem("NPUC-E0132", f"{items[inp]!r} makes dim {d!r} {g}, but the dim names "
+                                            f"bound make it {total}"))
                 if d in bound and bound[d][0] != g:
                     problems.append(Problem("NPUC-E0132", f"{items[inp]!r} makes dim {d!r} {g}, but "
                                             f"{bound[d][1]!r} binds it to {bound[d][0]}"))
@@ -147,15 +199,25 @@ def _bind_names(shapes: InputShapes, items: dict[str, str], declared: Mapping[st
                     problems.append(Problem("NPUC-E0132", f"dim {d!r} is {seen[d][0]} in {seen[d][1]!r} and {g} "
                                             f"in {items[inp]!r}"))
                 seen.setdefault(d, (g, items[inp]))
-        elif inp not in items and any(isinstance(d, str) and d in bound for d in decl.dims) \
-                and all(isinstance(d, int) or d in bound for d in decl.dims):
-            shapes[inp] = tuple(d if isinstance(d, int) else bound[str(d)][0] for d in decl.dims)
-            items[inp] = ";".join(dict.fromkeys(bound[d][1] for d in decl.dims if isinstance(d, str)))
+        elif inp not in items and any(isinstance(d, str) and (d in bound or _expr_names(d) & set(bound))
+                                      for d in decl.dims):
+            shape = shape_at(decl, {k: v[0] for k, v in bound.items()})
+            if shape is not None:
+                shapes[inp] = shape
+                used = [n for d in decl.dims if isinstance(d, str) for n in ([d] if d in bound else _expr_names(d))]
+                items[inp] = ";".join(dict.fromkeys(bound[n][1] for n in used))
     return problems
 
 
+def _check_empty(shapes: InputShapes, items: Mapping[str, str]) -> list[Problem]:
+    """A 0 dim, once per item that gives one."""
+    bad = {items.get(name, name): (name, shape.index(0)) for name, shape in shapes.items() if 0 in shape}
+    return [Problem("NPUC-E0101", f"{item!r}: dim {j} of input {name!r} is 0; dims must be positive")
+            for item, (name, j) in bad.items()]
+
+
 def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
-                         declared: Mapping[str, DeclaredInput]) -> InputShapes:
+                         declared: Mapping[str, DeclaredInput], *, empty_ok: bool = False) -> InputShapes:
     """The static shape of every input: from `text` (by input, or by dim name), or the
     model's own static dims.
 
@@ -168,6 +230,8 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
         shapes, items, problems = _parse(text or "")
     problems += _bind_names(shapes, items, declared)
     problems += _check(shapes, items, declared)
+    if not empty_ok:
+        problems += _check_empty(shapes, items)
     if problems:
         listing = ", ".join(f"{n}: {d.describe()}" for n, d in declared.items()) or "none known"
         shown = f"--input_shape {text!r}" if isinstance(text, str) else "input shapes"
@@ -181,3 +245,23 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
                 and all(isinstance(d, int) for d in decl.dims):
             shapes[name] = tuple(d for d in decl.dims if isinstance(d, int))  # fully static: nothing to choose
     return shapes
+
+
+def dim_sizes(declared: Mapping[str, DeclaredInput], shapes: InputShapes) -> dict[str, int]:
+    """The size each plain symbolic dim name has in `shapes` (resolved: consistent)."""
+    sizes: dict[str, int] = {}
+    for name, decl in declared.items():
+        if decl.dims is not None and name in shapes and len(shapes[name]) == len(decl.dims):
+            for d, n in zip(decl.dims, shapes[name], strict=True):
+                if isinstance(d, str) and not _expr_names(d):
+                    sizes.setdefault(d, n)
+    return sizes
+
+
+def shape_at(decl: DeclaredInput, sizes: Mapping[str, int]) -> tuple[int, ...] | None:
+    """`decl`'s dims with its names (and sums of names) at `sizes`; None if one is unbound."""
+    if decl.dims is None:
+        return None
+    dims = [d if isinstance(d, int) else sizes.get(d, _evaluate(d, sizes)) if isinstance(d, str) else None
+            for d in decl.dims]
+    return None if any(d is None for d in dims) else tuple(int(d) for d in dims if d is not None)

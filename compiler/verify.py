@@ -317,6 +317,7 @@ def _run_onnx(path: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     except Exception as e:
         raise _run_failed("onnx", e) from e
     names = [i.name for i in sess.get_inputs()]
+    feeds = {**feeds, **_first_step(sess.get_inputs(), feeds)}
     if set(names) != set(feeds):
         raise NpucError(E_SOURCE, f"{path!r} takes inputs {names}; the .om takes {sorted(feeds)}",
                         "give the .onnx the .om was compiled from", exit_code=EXIT_USAGE)
@@ -329,6 +330,30 @@ def _run_onnx(path: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     except Exception as e:
         raise _run_failed("onnx", e) from e
     return {o.name: torch.from_numpy(np.asarray(v)) for o, v in zip(sess.get_outputs(), outs, strict=True)}
+
+
+def _first_step(inputs: Sequence[Any], feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a `.om` compiled with --max_seq_len from an ONNX file with its KV cache holds as
+    constants (compiler/onnx_decode.py), for onnxruntime: the mask and positions of a prompt
+    from position 0, and an empty past. Nothing unless those are all the .om lacks."""
+    from npuc.compiler.onnx_decode import MASK, PAST, POSITIONS
+
+    missing = [i for i in inputs if i.name not in feeds]
+    ids = [v for v in feeds.values() if v.dim() == 2 and not v.dtype.is_floating_point]
+    if not missing or len(ids) != 1 or any(i.name not in (MASK, POSITIONS) and not PAST.search(i.name)
+                                           for i in missing):
+        return {}
+    b, n = ids[0].shape
+    out = {}
+    for i in missing:
+        if i.name == MASK:
+            out[i.name] = torch.ones(b, n, dtype=torch.int64)
+        elif i.name == POSITIONS:
+            out[i.name] = torch.arange(n).repeat(b, 1)
+        else:  # [batch, heads, past, head_size]: the symbolic dims after the batch are the past's
+            dims = [b if j == 0 else d if isinstance(d, int) else 0 for j, d in enumerate(i.shape)]
+            out[i.name] = torch.zeros(dims, dtype=torch.float16 if "float16" in i.type else torch.float32)
+    return out
 
 
 def _named_outputs(out: Any, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:

@@ -344,10 +344,14 @@ class KVCache(Pass):
         if not (p.is_const and cos.is_const and sin.is_const) or p.const is None or cos.const is None \
                 or sin.const is None:
             raise _refuse(f"RoPE {r.name} takes its positions or tables at run time")
-        if not torch.equal(p.const.load().reshape(-1).long(), torch.arange(seq)):
-            raise _refuse(f"RoPE {r.name} is not at positions 0..{seq - 1}")
+        # The rows it reads: its folded rows at 0..seq-1, or (tables indexed by the model's own
+        # position ids, ONNX's RotaryEmbedding) the cache's rows at the traced positions.
+        ids = p.const.load().long().reshape(-1, seq)
         c, s = cos.const.load(), sin.const.load()
-        lo, hi = self.trace_position, self.trace_position + c.shape[0]
+        if not bool((ids == ids[:1]).all()) or int(ids.min()) < 0 or int(ids.max()) >= c.shape[0]:
+            raise _refuse(f"RoPE {r.name} reads other positions than the program's")
+        c, s = c[ids[0]], s[ids[0]]
+        lo, hi = self.trace_position, self.trace_position + seq
         hits = [j for j, (tc, ts) in enumerate(self.tables)
                 if tc.shape[1] == c.shape[1] and tc.shape[0] >= hi
                 and torch.allclose(tc[lo:hi].to(c.dtype), c, rtol=0, atol=1e-6)

@@ -46,6 +46,7 @@ tables are applied and hands them to `rope_lut` with the position ids.
     %y = rotary_embedding(%x, @cos, @sin [, %position_ids])   ONNX opset 23
   ->
     %y = rope_lut[layout="half" | "interleaved"](...)
+    (com.microsoft's [b, s, h*d] with num_heads: reshape and transpose to [b, h, s, d] around it)
 
 Tables are [positions, rotary_dim/2]. The positions are those the folded tables
 cover (0..seq-1 here); extending the tables to --max_seq_len for decoding belongs
@@ -437,25 +438,34 @@ def _complex_pattern() -> object:
 
 def _onnx_check(m: Match) -> str | None:
     x, n = m["x"], m.node("rot")
-    if x.type.rank != 4:
-        return "3-D RotaryEmbedding input (heads folded into hidden)"
     if len(n.inputs) == 4:
         return None
-    if _rows(m.data("cos"), x.type.shape[-2]) is None or _rows(m.data("sin"), x.type.shape[-2]) is None:
+    seq = x.type.shape[-2] if x.type.rank == 4 else x.type.shape[1]
+    if _rows(m.data("cos"), seq) is None or _rows(m.data("sin"), seq) is None:
         return "the cos/sin caches vary along batch"
     return None
 
 
 def _onnx_rewrite(b: Builder, m: Match) -> Value:
+    """rope_lut over [b, h, s, d]; com.microsoft's 3-D [b, s, h*d] is split into heads around
+    it (the attention that reads it splits them again, and the transposes cancel)."""
     x, n = m["x"], m.node("rot")
+    if x.type.rank == 3:
+        batch, seq, hidden = x.type.shape
+        h = int(n.attrs["num_heads"])
+        x = b.op("transpose", [b.op("reshape", [x], {"shape": (batch, seq, h, hidden // h)})], {"perm": (0, 2, 1, 3)})
     layout = "interleaved" if n.attrs.get("interleaved") else "half"
     if len(n.inputs) == 4:  # caches indexed by position ids already: they are the tables
-        return b.op("rope_lut", [x, n.inputs[3], m["cos"], m["sin"]], {"layout": layout})
-    seq = x.type.shape[-2]
-    cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
-    assert cos is not None and sin is not None
-    tables = [b.const(f"{m[k].name}_lut", t.contiguous()) for k, t in (("cos", cos), ("sin", sin))]
-    return b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": layout})
+        y = b.op("rope_lut", [x, n.inputs[3], m["cos"], m["sin"]], {"layout": layout})
+    else:
+        seq = x.type.shape[-2]
+        cos, sin = _rows(m.data("cos"), seq), _rows(m.data("sin"), seq)
+        assert cos is not None and sin is not None
+        tables = [b.const(f"{m[k].name}_lut", t.contiguous()) for k, t in (("cos", cos), ("sin", sin))]
+        y = b.op("rope_lut", [x, _positions(b, seq), *tables], {"layout": layout})
+    if m["x"].type.rank == 3:
+        y = b.op("reshape", [b.op("transpose", [y], {"perm": (0, 2, 1, 3)})], {"shape": m["x"].type.shape})
+    return y
 
 
 @dataclass(frozen=True)

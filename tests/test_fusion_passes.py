@@ -1276,17 +1276,33 @@ def test_rope_onnx_four_inputs() -> None:
         """, {"cos": f.cos(), "sin": f.sin()}, numerics=True, ints={"pos": 16})
 
 
-def test_rope_onnx_refuses_a_3d_input() -> None:
-    # -- rope-fusion: x [batch, seq, heads*dim]: the heads are folded into the hidden size --
-    refuses(RoPEFusion(), """
+ROPE_3D = """
+    graph main(%x : f32[1,4,16]) {
+      const @cos : f32[1,4,4]
+      const @sin : f32[1,4,4]
+      %y : f32[1,4,16] = rotary_embedding{attrs}(%x, @cos, @sin)
+      return %y
+    }
+    """
+
+
+def test_rope_onnx_3d_input_splits_the_heads_around_the_lut() -> None:
+    # -- rope-fusion: com.microsoft's x [batch, seq, heads*dim] with num_heads --
+    check(RoPEFusion(), ROPE_3D.replace("{attrs}", "[num_heads=2]"), """
         graph main(%x : f32[1,4,16]) {
           const @cos : f32[1,4,4]
           const @sin : f32[1,4,4]
-          %y : f32[1,4,16] = rotary_embedding[num_heads=2](%x, @cos, @sin)
+          const @cos_lut : f32[4,4]
+          const @sin_lut : f32[4,4]
+          const @positions_4 : i64[4]
+          %y_reshape : f32[1,4,2,8] = reshape[shape=[1,4,2,8]](%x)
+          %y_transpose : f32[1,2,4,8] = transpose[perm=[0,2,1,3]](%y_reshape)
+          %y_rope_lut : f32[1,2,4,8] = rope_lut[layout="half"](%y_transpose, @positions_4, @cos_lut, @sin_lut)
+          %y_transpose_1 : f32[1,4,2,8] = transpose[perm=[0,2,1,3]](%y_rope_lut)
+          %y : f32[1,4,16] = reshape[shape=[1,4,16]](%y_transpose_1)
           return %y
         }
-        """, "rope-onnx", "3-D RotaryEmbedding input (heads folded into hidden)",
-            {"cos": FREQS.cos()[None], "sin": FREQS.sin()[None]})
+        """, {"cos": FREQS.cos()[None], "sin": FREQS.sin()[None]}, numerics=True)
 
 
 def test_rope_onnx_refuses_caches_that_vary_along_batch() -> None:

@@ -172,11 +172,14 @@ def test_max_seq_len_must_leave_room(hf_checkpoints: dict[str, Path], tmp_path: 
                       max_seq_len=0)
 
 
-def test_onnx_source_cannot_decode_yet(onnx_exports: dict[tuple[str, int], Path], tmp_path: Path) -> None:
+def test_onnx_source_without_its_cache_cannot_decode(onnx_exports: dict[tuple[str, int], Path],
+                                                     tmp_path: Path) -> None:
+    """An export with no past inputs and present outputs (tests/test_onnx_generate.py: with them)."""
     with pytest.raises(NpucError) as e:
         compile_model(str(onnx_exports[("llama", 18)]), input_shape="input_ids:1,8", output=str(tmp_path / "m"),
                       max_seq_len=32)
-    assert e.value.code == "NPUC-E0123" and e.value.exit_code == 3
+    assert e.value.code == "NPUC-E0123" and e.value.exit_code == 3 and "with-past" in e.value.hint
+    assert not list(tmp_path.iterdir())
 
 
 # -- --prompt TEXT with the tokenizer stored in the .om ------------------------------------------

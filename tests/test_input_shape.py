@@ -53,9 +53,6 @@ CASES = {
     "not an integer": (
         "input_ids:1,four;attention_mask:1,4",
         "npuc: error NPUC-E0101: 'input_ids:1,four': dim 1 ('four') is not an integer"),
-    "zero": (
-        "input_ids:0,4;attention_mask:1,4",
-        "npuc: error NPUC-E0101: 'input_ids:0,4': dim 0 is 0; dims must be positive"),
     "negative": (
         "input_ids:1,-3;attention_mask:1,4",
         "npuc: error NPUC-E0101: 'input_ids:1,-3': dim 1 is -3; dims must be positive"),
@@ -130,3 +127,24 @@ def test_dim_names_bind_every_input_that_uses_them(model: Path, tmp_path: Path) 
     for shape in ("batch:2;seq:5", " seq:5 ; batch:2 ", "batch:2;seq:5;input_ids:2,5"):
         path = npuc.compile(str(model), input_shape=shape, output=str(tmp_path / "n"))
         assert [t.shape for t in npuc.load(path).inputs] == [(2, 5), (2, 5), (2, 3)], shape
+
+
+def test_a_dim_written_as_a_sum_is_computed_from_its_names() -> None:
+    """optimum's attention mask is [batch_size, "past_sequence_length + sequence_length"]."""
+    from npuc.compiler.shapes import DeclaredInput, resolve_input_shapes
+
+    declared = {"ids": DeclaredInput("int64", ("batch_size", "sequence_length")),
+                "mask": DeclaredInput("int64", ("batch_size", "past_sequence_length + sequence_length")),
+                "past": DeclaredInput("float32", ("batch_size", 2, "past_sequence_length", 16))}
+    assert resolve_input_shapes("batch_size:2;sequence_length:3;past_sequence_length:5", declared) == \
+        {"ids": (2, 3), "mask": (2, 8), "past": (2, 2, 5, 16)}
+    from npuc.errors import NpucError
+    with pytest.raises(NpucError) as e:  # an explicit mask that disagrees with the sum
+        resolve_input_shapes("batch_size:1;sequence_length:3;past_sequence_length:5;mask:1,4", declared)
+    assert e.value.code == "NPUC-E0132" and e.value.message == \
+        "'mask:1,4' makes dim 'past_sequence_length + sequence_length' 4, but the dim names bound make it 8"
+    with pytest.raises(NpucError) as e:  # a zero past is taken only where the caller reads empty inputs (ONNX)
+        resolve_input_shapes("batch_size:1;sequence_length:3;past_sequence_length:0", declared)
+    assert e.value.code == "NPUC-E0101" and "is 0" in e.value.message
+    assert resolve_input_shapes("batch_size:1;sequence_length:3;past_sequence_length:0", declared,
+                                empty_ok=True)["past"] == (1, 2, 0, 16)

@@ -420,8 +420,23 @@ def test_refuses_a_graph_without_rope() -> None:
     refused(build(4, rope=False), match="no rotary")
 
 
+def test_rope_indexing_the_whole_table_by_its_position_ids() -> None:
+    """ONNX's RotaryEmbedding reads its cache at the model's position ids: the rows it reads at
+    the traced positions are what is compared, prefill's and decode's."""
+    for role, seq, start in (("prefill", 4, 0), ("decode", 1, TRACE)):
+        g = build(seq, start, positions=torch.arange(start, start + seq))
+        for n in g.nodes:
+            if n.op == "rope_lut":
+                for i, t in ((2, TABLES[0]), (3, TABLES[1])):
+                    n.set_input(i, const(g, f"{n.name}_{i}", t.clone()))
+        out = KVCache(role, CACHE, [TABLES], start)(g).graph
+        ropes = [n for n in out.nodes if n.op == "rope_lut"]
+        assert ropes and all(r.inputs[2].name == "rope_cos_table" for r in ropes)
+        assert all((r.inputs[1].name == "position") == (role == "decode") for r in ropes)
+
+
 def test_refuses_rope_at_other_positions() -> None:
-    refused(build(4, positions=torch.arange(1, 5)), match="not at positions")
+    refused(build(4, positions=torch.arange(1, 5)), match="reads other positions")
 
 
 @pytest.mark.parametrize("tables", [

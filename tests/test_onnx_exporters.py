@@ -1,6 +1,8 @@
-"""ONNX files as optimum writes them (tests/data/optimum): compiled with the dims bound by
-name, matching onnxruntime, and fused as npuc's own exports are (attention, RoPE as a LUT
-although its cos/sin are computed from the position_ids input, RMSNorm, SwiGLU per layer)."""
+"""ONNX files as optimum (tests/data/optimum) and the TorchScript exporter
+(tests/data/torchscript: torch.onnx.export with dynamo=False) write them: compiled with
+the dims bound by name, matching onnxruntime, and fused as npuc's own exports are
+(attention, RoPE as a LUT although its cos/sin are computed from the position_ids input,
+RMSNorm, SwiGLU per layer)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import npuc
 from npuc.compiler.driver import compile_model
 
 ort = pytest.importorskip("onnxruntime")
-DATA = Path(__file__).parent / "data" / "optimum"
+DATA = Path(__file__).parent / "data"
 LAYERS = 2
+FILES = ["optimum/llama_opset18", "optimum/llama_opset14", "optimum/qwen2_opset18", "torchscript/llama_opset14",
+         "torchscript/llama_opset17", "torchscript/qwen2_opset14", "torchscript/qwen2_opset17"]
 
 
-@pytest.mark.parametrize("name", ["llama_opset18", "llama_opset14", "qwen2_opset18"])
-def test_optimum_export_compiles_fused_and_matches_onnxruntime(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", FILES)
+def test_exporter_output_compiles_fused_and_matches_onnxruntime(name: str, tmp_path: Path) -> None:
     path = DATA / f"{name}.onnx"
     sess = npuc.load(npuc.compile(str(path), input_shape="batch_size:1;sequence_length:8", output=str(tmp_path / "m")))
     ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
@@ -91,3 +95,36 @@ def test_positions_from_the_tokens_are_not_rope_positions(tmp_path: Path) -> Non
     got = sess.run({"q": q.numpy(), "position_ids": ids.numpy()})[next(iter(sess.outputs)).name]
     with torch.no_grad():
         np.testing.assert_allclose(got.numpy(), m(q, ids).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _ort_optimized(src: Path, out: Path) -> Path:
+    """onnxruntime's transformer optimizer on `src`, as users run it before deploying:
+    SimplifiedLayerNormalization, com.microsoft SkipSimplifiedLayerNormalization and
+    RotaryEmbedding replace the exporter's ops."""
+    from onnxruntime.transformers import optimizer
+
+    m = optimizer.optimize_model(str(src), model_type="gpt2", num_heads=4, hidden_size=64, opt_level=0)
+    m.save_model_to_file(str(out))
+    return out
+
+
+@pytest.mark.parametrize("name", ["torchscript/llama_opset17", "optimum/qwen2_opset18", "optimum/llama_with_past_opset18"])
+def test_onnxruntime_optimizer_output_compiles_fused_and_matches_onnxruntime(name: str, tmp_path: Path) -> None:
+    import onnx
+
+    path = _ort_optimized(DATA / f"{name}.onnx", tmp_path / "opt.onnx")
+    kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding"} <= kinds
+    past = "with_past" in name
+    shape = "batch_size:1;sequence_length:8" + (";past_sequence_length:0" if past else "")
+    sess = npuc.load(npuc.compile(str(path), input_shape=shape, output=str(tmp_path / "m")))
+    ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
+    assert {op: ops.count(op) for op in ("fused_attention", "rope_lut", "rms_norm", "swiglu")} == \
+        {"fused_attention": LAYERS, "rope_lut": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}
+    rng = np.random.default_rng(2)
+    feeds = {"input_ids": rng.integers(0, 128, (1, 8)).astype(np.int64), "attention_mask": np.ones((1, 8), np.int64),
+             "position_ids": np.arange(8, dtype=np.int64)[None]}
+    pasts = {f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 16), np.float32)
+             for i in range(LAYERS) for kv in ("key", "value")} if past else {}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], {**feeds, **pasts})[0]
+    np.testing.assert_allclose(sess.run({**feeds, **pasts})["logits"].numpy(), want, rtol=1e-4, atol=1e-4)
