@@ -12,7 +12,8 @@ thread count, all greedy, and checked to produce the same tokens; npuc's and
 onnxruntime's prefill are also timed in turn (bench/prefill_ab.py). Memory plans:
 every program of every test architecture, with ExecuTorch's planner on the same
 torch.export program where an ExecuTorch environment is given. Compile at scale:
-bench/compile_scale.py. Pass scaling: the optimiser alone at 8, 16, 32 layers.
+bench/compile_scale.py. Pass scaling: the optimiser alone at 8, 16, 32 layers. Decode over
+several slots: bench/batch_decode.py.
 
 Benchmarks are not tests: targets are printed beside the figures, never asserted.
 """
@@ -614,6 +615,14 @@ def render(res: dict[str, Any]) -> str:
                      f"{r['us_per_node']:.0f} |")
     per = [r["us_per_node"] for r in res["passes"]]
     lines += ["", f"Target: flat from the smallest to the largest: {per[-1] / per[0]:.2f}x."]
+    if res.get("batch"):
+        import batch_decode  # bench/batch_decode.py, which imports this module
+
+        lines += batch_decode.render(res["batch"])
+    if res.get("serve_load"):
+        import serve_load
+
+        lines += serve_load.render(res["serve_load"])
     lines += ["", "## GPU", "", res["gpu"], ""]
     lines += analysis(res)
     lines += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
@@ -777,6 +786,13 @@ def main(argv: list[str] | None = None) -> None:
     same = len({tuple(d["tokens"]) for d in fp32}) == 1
     if not same:
         notes.append("the fp32 systems disagree on the generated tokens: see the tokens in the JSON next to this file")
+    print("[bench] decode over several slots (bench/batch_decode.py)", file=sys.stderr)
+    import batch_decode
+
+    batch = batch_decode.run(ckpt, s, work, rounds=1 if args.quick else 3,
+                             batches=(1, 2) if args.quick else batch_decode.BATCHES)
+    print("[bench] serving under load (bench/serve_load.py)", file=sys.stderr)
+    serve = batch_decode.load_test(work, s, args.quick)
     print("[bench] compile time", file=sys.stderr)
     compile_time = compile_vs_load(ckpt, s, work, reps=1 if args.quick else 3)
     read_bytes, weight_bytes = decode_read_bytes(ckpt)
@@ -803,7 +819,8 @@ def main(argv: list[str] | None = None) -> None:
         "weight_bytes": weight_bytes, "read_bytes": read_bytes, "bandwidth_gbps": bw,
         "bound_tok_per_s": bw * 1e9 / read_bytes,
         "plans": plans, "passes": passes, "scale": scale, "notes": notes, "compile_time": compile_time, "tail": step_tail,
-        "quant": quant, "prefill_turns": prefill_turns, "decode_turns": decode_turns,
+        "quant": quant, "prefill_turns": prefill_turns, "decode_turns": decode_turns, "batch": batch,
+        "serve_load": serve,
         "gpu": ("Not run: this machine has no GPU (torch.cuda.is_available() is False)."
                 if not torch.cuda.is_available() else "A GPU is present, but the CUDA benchmark is not written yet."),
     }

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -180,38 +181,104 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.argument("om")
-@click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...",
-              help="The prompt as token ids, separated by commas or spaces.")
-@click.option("--prompt", default=None, metavar="TEXT", help="The prompt as text (the .om must hold a tokenizer).")
+@click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...", multiple=True,
+              help="A prompt as token ids, separated by commas or spaces (repeat it for several prompts).")
+@click.option("--prompt", "prompt", default=None, metavar="TEXT", multiple=True,
+              help="A prompt as text (the .om must hold a tokenizer; repeat it for several prompts).")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE.jsonl",
+              help='Prompts, one JSON a line: a list of token ids, {"prompt_ids": [...]} or {"prompt": "text"}.')
 @click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=click.IntRange(min=1), default=32,
               show_default=True)
 @click.option("--ignore-eos", "--ignore_eos", "ignore_eos", is_flag=True, help="Do not stop at end-of-sequence.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
 @click.option("--debug", is_flag=True)
 @handle_errors
-def generate(om: str, prompt_ids: str | None, prompt: str | None, max_new_tokens: int, ignore_eos: bool,
-             device: str, debug: bool) -> None:
-    """Greedy decoding with a .om compiled with --max_seq_len: prints the new token ids
-    (and the text, with --prompt)."""
+def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prompts_file: str | None,
+             max_new_tokens: int, ignore_eos: bool, device: str, debug: bool) -> None:
+    """Greedy decoding with a .om compiled with --max_seq_len. One prompt: prints the new
+    token ids (and the text, for a text prompt). Several (repeated flags, or --prompts):
+    decodes them together over the model's slots (--input_shape input_ids:B,S compiles B)
+    and prints one JSON line each, in order: {"index", "token_ids"[, "text"]}."""
     from npuc.runtime import Session
-    from npuc.runtime.generate import load_tokenizer, stream
+    from npuc.runtime.generate import load_tokenizer
+    from npuc.runtime.scheduler import generate_many
 
-    if (prompt_ids is None) == (prompt is None):
-        raise NpucError("NPUC-E0125", "give exactly one of --prompt-ids and --prompt",
-                        "npuc generate model.om --prompt-ids 1,2,3 --max-new-tokens 32", exit_code=EXIT_USAGE)
-    ids = _parse_ids(prompt_ids) if prompt_ids is not None else []  # a usage error before the load
+    items = _prompt_items(prompt_ids, prompt, prompts_file)  # usage errors before the load
     sess = Session.load(om, device=device)
-    if prompt is not None:
+    encode = decode = None
+    if any(isinstance(p, str) for p in items):
         encode, decode = load_tokenizer(sess)
-        ids = encode(prompt)
-        out = list(stream(sess, ids, max_new_tokens, ignore_eos))
-        click.echo(" ".join(map(str, out)))
-        click.echo(decode(out))
+    ids = [encode(p) if isinstance(p, str) and encode is not None else p for p in items]
+    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos)
+    if len(items) == 1 and prompts_file is None:
+        click.echo(" ".join(map(str, outs[0])))
+        if decode is not None:
+            click.echo(decode(outs[0]))
         return
-    tokens = []
-    for t in stream(sess, ids, max_new_tokens, ignore_eos):
-        tokens.append(t)
-    click.echo(" ".join(map(str, tokens)))
+    for i, (item, out) in enumerate(zip(items, outs, strict=True)):
+        line: dict[str, Any] = {"index": i, "token_ids": out}
+        if isinstance(item, str) and decode is not None:
+            line["text"] = decode(out)
+        click.echo(json.dumps(line))
+
+
+@main.command()
+@click.argument("om")
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-queue", "--max_queue", "max_queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; past that, 429 with Retry-After.")
+@click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--debug", is_flag=True)
+@handle_errors
+def serve(om: str, host: str, port: int, max_queue: int, device: str, debug: bool) -> None:
+    """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /health,
+    /metrics) over a .om compiled with --max_seq_len; its slots decode requests together
+    (docs/serving.md). Needs npuc[serve]."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise NpucError("NPUC-E0104", "npuc serve needs Starlette and uvicorn", "pip install 'npuc[serve]'",
+                        exit_code=EXIT_USAGE) from None
+    from npuc.runtime.serve import run
+
+    run(om, host, port, max_queue, device)
+
+
+def _prompt_items(prompt_ids: Sequence[str], prompts: Sequence[str], path: str | None) -> list[list[int] | str]:
+    """The prompts: token id lists, or texts for the stored tokenizer."""
+    given = [bool(prompt_ids), bool(prompts), path is not None]
+    if sum(given) != 1:
+        raise NpucError("NPUC-E0125", "give the prompts one way: --prompt-ids, --prompt or --prompts",
+                        "npuc generate model.om --prompt-ids 1,2,3 --max-new-tokens 32", exit_code=EXIT_USAGE)
+    if path is None:
+        return [_parse_ids(t) for t in prompt_ids] if prompt_ids else list(prompts)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise NpucError("NPUC-E0125", f"--prompts {path!r} cannot be read: {getattr(e, 'strerror', None) or e}",
+                        "give a UTF-8 JSON Lines file", exit_code=EXIT_USAGE) from None
+    items: list[list[int] | str] = []
+    for n, line in lines:
+        try:
+            v = json.loads(line)
+        except ValueError:
+            v = None
+        if isinstance(v, dict) and set(v) == {"prompt"} and isinstance(v["prompt"], str):
+            items.append(v["prompt"])
+            continue
+        ids = v.get("prompt_ids") if isinstance(v, dict) and set(v) == {"prompt_ids"} else v
+        if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+            raise NpucError("NPUC-E0125", f"--prompts {path}:{n}: {line.strip()[:80]!r} is not a list of token ids, "
+                            '{"prompt_ids": [...]} or {"prompt": "text"}', 'write e.g. {"prompt_ids": [1, 2, 3]}',
+                            exit_code=EXIT_USAGE)
+        items.append(ids)
+    if not items:
+        raise NpucError("NPUC-E0125", f"--prompts {path!r} holds no prompt", "write one JSON a line",
+                        exit_code=EXIT_USAGE)
+    return items
 
 
 @main.command()

@@ -245,7 +245,8 @@ def _onnx_programs(model: Any, input_shape: Any, max_seq_len: int) -> tuple[Grap
                         "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
     progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION)
     _token_ids(progs.prefill, max_seq_len)
-    return progs.prefill, progs.decode, _rope_tables(progs.full), Source("onnx", progs.files)
+    tables = dataclasses.replace(_rope_tables(progs.full), slots=progs.slots)
+    return progs.prefill, progs.decode, tables, Source("onnx", progs.files)
 
 
 # A mask at max_seq_len too large to fold is evaluated to read its window, up to this size.
@@ -315,17 +316,18 @@ def _rope_tables(full: Graph) -> LongTrace:
 
 
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
-                   loaded: LoadedModel | None = None, *, trust_pickle: bool = False
+                   loaded: LoadedModel | None = None, *, trust_pickle: bool = False, slots: int = 0
                    ) -> tuple[Graph, LongTrace]:
-    """The model traced for one token (the decode program's source), and the RoPE
-    tables of the model traced at max_seq_len: two more static traces (build_programs
-    derives both from the prefill's trace where the model traces at any length)."""
+    """The model traced for one token (the decode program's source: of every slot, with
+    slots), and the RoPE tables of the model traced at max_seq_len: two more static traces
+    (build_programs derives both from the prefill's trace where the model traces at any
+    length)."""
     ids = _token_ids(prefill, max_seq_len)
-    batch, _ = ids.type.shape
+    batch = max(slots, ids.type.shape[0])
     loaded = loaded or _load(model, input_dtypes, trust_pickle)
     positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
-    full = _import(loaded, _export(loaded, {ids.name: (batch, max_seq_len)}))
+    full = _import(loaded, _export(loaded, {ids.name: (ids.type.shape[0], max_seq_len)}))
     return decode, dataclasses.replace(_rope_tables(full), layers=_layers(loaded))
 
 
@@ -338,14 +340,23 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     One torch.export, at a symbolic sequence length with position_ids as an input, gives
     all three: `_at_length` specialises it to each length and positions without tracing
     again. A model that does not trace at a symbolic length (a branch on it, a
-    data-dependent size) is traced three times at static shapes instead."""
+    data-dependent size) is traced three times at static shapes instead.
+
+    A batch of B > 1 token ids makes B slots: prefill and the long trace run one sequence,
+    decode all B (LongTrace.slots; passes/kv_cache.py), from a second trace at batch B."""
     if _is_onnx(model):
         return _onnx_programs(model, input_shape, max_seq_len)
     loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
     source = Source(loaded.kind, loaded.files)
     _check_position_scaling(loaded, max_seq_len)
+    slots = _slots(shapes)
+    if slots > 1:
+        shapes = {k: (1, *v[1:]) for k, v in shapes.items()}
     programs = _one_trace(loaded, shapes, max_seq_len)
+    if programs is not None and slots > 1:
+        batched = _one_trace(loaded, {k: (slots, *v[1:]) for k, v in shapes.items()}, max_seq_len)
+        programs = None if batched is None else (programs[0], batched[1], programs[2], batched[3])
     if programs is not None:
         try:
             prefill, decode, full = (_import(loaded, ep) for ep in programs[:3])
@@ -353,7 +364,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:
-            tables = dataclasses.replace(tables, layers=_layers(loaded))
+            tables = dataclasses.replace(tables, layers=_layers(loaded), slots=slots)
             if tables.tables:
                 _token_ids(prefill, max_seq_len)
                 return prefill, decode, tables, source
@@ -368,8 +379,14 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
                     _token_ids(prefill, max_seq_len)
                     return prefill, decode, dataclasses.replace(tables, decode_positions=POSITIONS), source
     prefill = _import(loaded, _export(loaded, shapes))
-    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded)
-    return prefill, decode, tables, source
+    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded, slots=slots)
+    return prefill, decode, dataclasses.replace(tables, slots=slots), source
+
+
+def _slots(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The sequences a --max_seq_len compile caches at once: the token ids' batch."""
+    batches = {v[0] for v in shapes.values() if len(v) == 2}
+    return batches.pop() if len(batches) == 1 else 1
 
 
 # The forward kwarg the one trace takes as an input; each program has it as a constant.
@@ -742,7 +759,7 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     probe = DecodeProbe()  # prefill's pipeline records it, decode's checks against it
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, trace.tables, position, trace.windows,
-                                     trace.decode_positions, trace.layers, trace.alibi) if trace else
+                                     trace.decode_positions, trace.layers, trace.alibi, trace.slots) if trace else
                              KVCache(role, cache_len, (), position),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,

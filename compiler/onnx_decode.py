@@ -52,6 +52,7 @@ class OnnxPrograms:
     decode: Graph
     full: Graph
     files: list[str]
+    slots: int = 1
 
 
 def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position: int) -> OnnxPrograms:
@@ -90,8 +91,14 @@ def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position:
                         f"{ids!r} the shape {list(shapes[ids])}", "bind the sequence length to 1 or more",
                         exit_code=EXIT_USAGE)
 
-    def program(n: int, start: int, what: str) -> Graph:
-        at = {**sizes, seq: n, **dict.fromkeys(past_dims, 0)}
+    batch_dim = dims[0] if dims is not None and isinstance(dims[0], str) else None
+    if batch > 1 and batch_dim is None:
+        raise NpucError("NPUC-E0124", f"--max_seq_len at batch {batch} caches {batch} sequences, one prefilled at a "
+                        f"time; {ids!r} is {model.inputs[ids].describe()}, its batch fixed",
+                        "export the model with a dynamic batch", exit_code=EXIT_USAGE)
+
+    def program(n: int, start: int, what: str, batch: int) -> Graph:
+        at = {**sizes, seq: n, **dict.fromkeys(past_dims, 0), **({batch_dim: batch} if batch_dim else {})}
         fixed: dict[str, torch.Tensor] = {name: torch.zeros(shape_at(model.inputs[name], at) or ()) for name in past}
         if POSITIONS in model.inputs:
             fixed[POSITIONS] = torch.arange(start, start + n).repeat(batch, 1)
@@ -115,8 +122,9 @@ def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position:
         g.set_outputs([v for v in g.outputs if v.name not in present])
         return g
 
-    return OnnxPrograms(program(length, 0, "prefill"), program(1, trace_position, "decode"),
-                        program(max_seq_len, 0, f"max_seq_len ({max_seq_len})"), list(model.files))
+    # With a batch of B > 1 the cache holds B sequences: prefill fills one, decode runs them all.
+    return OnnxPrograms(program(length, 0, "prefill", 1), program(1, trace_position, "decode", batch),
+                        program(max_seq_len, 0, f"max_seq_len ({max_seq_len})", 1), list(model.files), batch)
 
 
 def _past_dims(declared: Mapping[str, DeclaredInput], past: Sequence[str]) -> list[str]:

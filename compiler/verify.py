@@ -52,6 +52,7 @@ import torch
 
 from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, OpDef, get_op
+from npuc.passes.kv_cache import SLOT
 from npuc.passes.last_token_logits import LAST_TOKEN
 
 __all__ = [
@@ -227,6 +228,9 @@ def _random_inputs(sess: Any, prog: Any, seed: int) -> tuple[dict[str, torch.Ten
         elif kind == "bool" or t.name == "attention_mask":
             x = torch.ones(t.shape, dtype=t.dtype.torch)
             origin = "all ones"
+        elif t.name == SLOT:  # npuc's own input: the slot a prefill fills
+            x = torch.zeros(t.shape, dtype=t.dtype.torch)
+            origin = "slot 0"
         elif t.name in ("position_ids", "token_type_ids") and t.shape:
             x = torch.zeros(t.shape, dtype=torch.int64)
             if t.name == "position_ids":
@@ -559,7 +563,7 @@ def verify(om_path: str, against: str, inputs_dir: str | None = None, atol: floa
     # npuc's own input (the source has none): the row of each sequence the program computes.
     meta = {m.key: m.value for m in sess.model.metadata}
     rows = feeds.get(LAST_TOKEN) if meta.get("option.prefill_logits") == "last" else None
-    src_feeds = {k: v for k, v in feeds.items() if rows is None or k != LAST_TOKEN}
+    src_feeds = {k: v for k, v in feeds.items() if (rows is None or k != LAST_TOKEN) and k != SLOT}
     if rows is not None:
         notes.append(f"{program!r} computes the outputs of row {LAST_TOKEN} of each sequence "
                      f"({', '.join(map(str, rows.tolist()))}); the source's are compared at those rows")

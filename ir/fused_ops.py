@@ -141,20 +141,33 @@ def _swiglu(ins: T, attrs: A) -> list[TensorType]:
     return _float_unary_infer(ins[:1], attrs)
 
 
+def _query_positions(q_pos: torch.Tensor) -> torch.Tensor:
+    """Positions [s] as [s, 1]; per-sequence positions [b, s] (one slot each) as [b, 1, s, 1]."""
+    return q_pos.long()[:, None, :, None] if q_pos.dim() == 2 else q_pos.reshape(-1, 1).long()
+
+
 def window_mask(q_pos: torch.Tensor, k_len: int, window: int) -> torch.Tensor:
-    """[s, k_len] bool: query i at q_pos[i] sees keys j with q_pos[i] - window < j <= q_pos[i]
-    (causal; with a sliding window of `window` keys, itself included, unless window is 0)."""
-    j = torch.arange(k_len, device=q_pos.device)[None, :]
-    p = q_pos.reshape(-1, 1).long()
+    """[s, k_len] bool ([b, 1, s, k_len] for positions [b, s]): query i at q_pos[i] sees keys j
+    with q_pos[i] - window < j <= q_pos[i] (causal; with a sliding window of `window` keys,
+    itself included, unless window is 0)."""
+    j = torch.arange(k_len, device=q_pos.device)
+    p = _query_positions(q_pos)
     return (j <= p) & (j > p - window) if window else j <= p
 
 
 def alibi_bias(slopes: tuple[float, ...] | list[float], q_pos: torch.Tensor, k_len: int) -> torch.Tensor:
-    """ALiBi's bias [hq, s, k_len]: slope_h * (j - q_pos[i]), key j's distance behind query i
-    (a per-row constant away from Bloom's slope_h * j and MPT's, which softmax ignores)."""
+    """ALiBi's bias [hq, s, k_len] ([b, hq, s, k_len] for positions [b, s]): slope_h * (j -
+    q_pos[i]), key j's distance behind query i (a per-row constant away from Bloom's slope_h * j
+    and MPT's, which softmax ignores)."""
     j = torch.arange(k_len, device=q_pos.device, dtype=torch.float32)
-    rel = j[None, :] - q_pos.reshape(-1, 1).float()
+    rel = j - _query_positions(q_pos).float()  # [s, k] or [b, 1, s, k]
     return torch.tensor(slopes, dtype=torch.float32, device=q_pos.device).reshape(-1, 1, 1) * rel
+
+
+def positions_fit(pos: TensorType, b: int, s: int) -> bool:
+    """A position operand of a cached op: [s] (every sequence at the same positions) or [b, s]
+    (each of the b sequences, a slot of the cache, at its own)."""
+    return pos.shape in ((s,), (b, s)) and pos.dtype in (DType.i64, DType.i32)
 
 
 def _attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -239,21 +252,35 @@ def _check_alibi(name: str, attrs: A, heads: int) -> None:
 
 
 def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
-    cache, new, pos = xs
-    return cache.index_copy_(2, pos.reshape(-1).long(), new.to(cache.dtype))
+    cache, new, pos = xs[:3]
+    new = new.to(cache.dtype)
+    if len(xs) > 3:  # one sequence into its slot
+        cache[int(xs[3].reshape(-1)[0])].index_copy_(1, pos.reshape(-1).long(), new[0])
+    elif pos.dim() == 2:  # each sequence at its own positions
+        for b in range(cache.shape[0]):
+            cache[b].index_copy_(1, pos[b].long(), new[b])
+    else:
+        cache.index_copy_(2, pos.reshape(-1).long(), new)
+    return cache
 
 
-@op("kv_write", ("cache", "new", "position"), kernel=_kv_write_kernel, unit="dma", inplace=0,
+@op("kv_write", ("cache", "new", "position", "slot?"), kernel=_kv_write_kernel, unit="dma", inplace=0,
     flops=lambda i, o, a: 0,
     doc="the KV cache with new's rows written at the given positions (in place): cache [b,h,max_len,d], "
-        "new [b,h,s,d], position i64 [s]")
+        "new [b,h,s,d], position i64 [s] or [b,s] (each sequence at its own); with slot i64 [1], new is "
+        "one sequence [1,h,s,d] written into cache[slot]")
 def _kv_write(ins: T, attrs: A) -> list[TensorType]:
-    cache, new, pos = ins
-    if cache.rank != 4 or new.rank != 4 or cache.shape[:2] != new.shape[:2] or cache.shape[3] != new.shape[3] \
-            or new.shape[2] > cache.shape[2] or cache.dtype != new.dtype:
-        raise ShapeError(f"kv_write rows {new} do not fit cache {cache}")
-    if pos.shape != (new.shape[2],) or pos.dtype not in (DType.i64, DType.i32):
-        raise ShapeError(f"kv_write position {pos} should be i64[{new.shape[2]}]")
+    cache, new, pos = ins[:3]
+    slot = ins[3] if len(ins) > 3 else None
+    if cache.rank != 4 or new.rank != 4 or cache.shape[1] != new.shape[1] or cache.shape[3] != new.shape[3] \
+            or new.shape[2] > cache.shape[2] or cache.dtype != new.dtype \
+            or new.shape[0] != (1 if slot is not None else cache.shape[0]):
+        raise ShapeError(f"kv_write rows {new} do not fit cache {cache}" + (" (one sequence, into a slot)" if slot
+                                                                           is not None else ""))
+    if not positions_fit(pos, new.shape[0], new.shape[2]):
+        raise ShapeError(f"kv_write position {pos} should be i64[{new.shape[2]}] or [{new.shape[0]},{new.shape[2]}]")
+    if slot is not None and (slot.shape != (1,) or slot.dtype not in (DType.i64, DType.i32)):
+        raise ShapeError(f"kv_write slot {slot} should be i64[1]")
     return [cache]
 
 
@@ -278,7 +305,7 @@ def _cached_attention_flops(ins: T, outs: T, attrs: A) -> int:
     kernel=_cached_attention_kernel, flops=_cached_attention_flops, unit="cube",
     doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i] "
         "(position[i]-window+1.. with a sliding window; scores soft-capped, sinks and ALiBi as fused_attention's, from position[i]); "
-        "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s]")
+        "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s] or [b,s] (each sequence at its own)")
 def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     q, kc, vc, pos = ins[:4]
     if len(ins) == 5 and (ins[4].shape != (q.shape[1],) or not ins[4].dtype.is_float):
@@ -288,19 +315,21 @@ def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] or q.shape[0] != kc.shape[0] \
             or q.shape[-1] != kc.shape[-1] or q.shape[1] % kc.shape[1]:
         raise ShapeError(f"cached_attention q {q}, caches {kc} / {vc} do not fit")
-    if pos.shape != (q.shape[2],) or pos.dtype not in (DType.i64, DType.i32):
-        raise ShapeError(f"cached_attention position {pos} should be i64[{q.shape[2]}]")
+    if not positions_fit(pos, q.shape[0], q.shape[2]):
+        raise ShapeError(f"cached_attention position {pos} should be i64[{q.shape[2]}] or [{q.shape[0]},{q.shape[2]}]")
     _check_alibi("cached_attention", attrs, q.shape[1])
     _same_dtype(ins[:3])
     return [TensorType(q.shape[:3] + (vc.shape[-1],), q.dtype)]
 
 
 def _conv_window(cache: torch.Tensor, pos: torch.Tensor, k: int, dilation: int) -> torch.Tensor:
-    """The rows a causal conv reads for the token at `pos`, oldest first, as [b, c, k]; rows
-    before position 0 are zeros (the conv's left padding)."""
-    rows = int(pos.reshape(-1)[0]) - dilation * torch.arange(k - 1, -1, -1, device=cache.device)
-    window = cache[:, 0].index_select(1, rows.clamp(min=0))
-    return torch.where((rows >= 0)[None, :, None], window, torch.zeros((), dtype=cache.dtype)).transpose(1, 2)
+    """The rows a causal conv reads for the token at `pos` ([1], or [b, 1]: each sequence's),
+    oldest first, as [b, c, k]; rows before position 0 are zeros (the conv's left padding)."""
+    steps = dilation * torch.arange(k - 1, -1, -1, device=cache.device)
+    rows = pos.reshape(-1, 1).long() - steps  # [1 or b, k]
+    window = torch.stack([cache[b, 0].index_select(0, rows[b % rows.shape[0]].clamp(min=0))
+                          for b in range(cache.shape[0])])  # [b, k, c]
+    return torch.where((rows >= 0)[:, :, None], window, torch.zeros((), dtype=cache.dtype)).transpose(1, 2)
 
 
 def _cached_conv1d_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
@@ -325,8 +354,8 @@ def _cached_conv1d(ins: T, attrs: A) -> list[TensorType]:
         raise ShapeError(f"cached_conv1d cache {cache} (channels last) does not fit w {w} with groups={g}")
     if len(ins) > 3 and ins[3].shape != (w.shape[0],):
         raise ShapeError(f"cached_conv1d bias {ins[3]} must be [{w.shape[0]}]")
-    if pos.shape != (1,) or pos.dtype not in (DType.i64, DType.i32):
-        raise ShapeError(f"cached_conv1d position {pos} should be i64[1]")
+    if not positions_fit(pos, cache.shape[0], 1):
+        raise ShapeError(f"cached_conv1d position {pos} should be i64[1] or [{cache.shape[0]},1]")
     return [TensorType((cache.shape[0], w.shape[0], 1), _same_dtype(ins[1:2] + ins[3:]))]
 
 
@@ -350,7 +379,7 @@ def mla_absorbed(ins: T) -> bool:
 
 def _mla_mask(s: int, n: int, pos: torch.Tensor | None, causal: bool, device: torch.device) -> torch.Tensor | None:
     if pos is not None:  # query i at position[i] sees cached rows 0..position[i]
-        return torch.arange(n, device=device)[None, :] <= pos.reshape(-1, 1).long()
+        return window_mask(pos, n, 0)
     return torch.ones(s, n, dtype=torch.bool, device=device).tril() if causal else None
 
 
@@ -392,7 +421,7 @@ def _mla_flops(ins: T, outs: T, attrs: A) -> int:
     doc="multi-head latent attention (DeepSeek MLA): keys and values are the per-token latent "
         "kv = [c (rank r) | shared rope key (dr)], [b,1,n,r+dr]; head i's key is [c @ W_UK_i^T | rope key], "
         "its value c @ W_UV_i; q_nope [b,h,s,dn], q_rot [b,h,s,dr], w_uk [h,dn,r], w_uv [h,r,dv]. "
-        "Without position: causal (query i sees rows 0..i) or not; with position i64 [s]: kv is a cache, "
+        "Without position: causal (query i sees rows 0..i) or not; with position i64 [s] or [b,s]: kv is a cache, "
         "query i sees rows 0..position[i]. Computed over the latent when that is cheaper (decode)")
 def _mla_attention(ins: T, attrs: A) -> list[TensorType]:
     q_nope, q_rot, kv, w_uk, w_uv = ins[:5]
@@ -402,8 +431,8 @@ def _mla_attention(ins: T, attrs: A) -> list[TensorType]:
     if q_rot.shape[:3] != (b, h, s) or kv.shape[0] != b or kv.shape[1] != 1 or kv.shape[3] != r + dr \
             or w_uk.shape[:2] != (h, dn) or w_uv.shape[:2] != (h, r):
         raise ShapeError(f"mla_attention q {q_nope}/{q_rot}, kv {kv}, w_uk {w_uk}, w_uv {w_uv} do not fit")
-    if len(ins) > 5 and (ins[5].shape != (s,) or ins[5].dtype not in (DType.i64, DType.i32)):
-        raise ShapeError(f"mla_attention position {ins[5]} should be i64[{s}]")
+    if len(ins) > 5 and not positions_fit(ins[5], b, s):
+        raise ShapeError(f"mla_attention position {ins[5]} should be i64[{s}] or [{b},{s}]")
     if len(ins) == 5 and s != n and attrs.get("causal"):
         raise ShapeError(f"causal mla_attention over its own {n} rows has {s} queries")
     _same_dtype(ins[:5])

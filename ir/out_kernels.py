@@ -194,13 +194,16 @@ def _rope_ws(ins: T, outs: T, a: A) -> int:
 def _rope_lut(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     x, pos, cos_t, sin_t = xs
     out = outs[0]
-    if x.dtype != torch.float32 or cos_t.dtype != torch.float32 or pos.dim() != 1 or pos.dtype != torch.int64:
+    if x.dtype != torch.float32 or cos_t.dtype != torch.float32 or pos.dim() not in (1, 2) \
+            or (pos.dim() == 2 and x.dim() != 4) or pos.dtype != torch.int64 or not pos.is_contiguous():
         return False
-    s, half = pos.shape[0], cos_t.shape[1]
+    n, half = pos.numel(), cos_t.shape[1]
     r = 2 * half
-    c, sn = _f32(ws, 0, (s, half)), _f32(ws, s * half * F32, (s, half))
-    torch.index_select(cos_t, 0, pos, out=c)
-    torch.index_select(sin_t, 0, pos, out=sn)
+    c, sn = _f32(ws, 0, (n, half)), _f32(ws, n * half * F32, (n, half))
+    torch.index_select(cos_t, 0, pos.view(n), out=c)
+    torch.index_select(sin_t, 0, pos.view(n), out=sn)
+    if pos.dim() == 2:  # each sequence's rows [b, s] broadcast over its heads: [b, 1, s, half]
+        c, sn = c.view(pos.shape[0], 1, pos.shape[1], half), sn.view(pos.shape[0], 1, pos.shape[1], half)
     layout = a["layout"]
     if layout == "half":
         x1, x2 = x[..., :half], x[..., half:r]
@@ -222,11 +225,15 @@ def _rope_lut(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
 
 def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor, window: int = 0) -> None:
     """Scores [..., s, rows]: query i at position pos[i] sees cached rows 0..pos[i] only (the
-    last `window` of them, with a sliding window)."""
-    for i, p in enumerate(pos.tolist()):
-        scores[..., i, p + 1:].fill_(float("-inf"))
-        if window and p - window + 1 > 0:
-            scores[..., i, :p - window + 1].fill_(float("-inf"))
+    last `window` of them, with a sliding window). Positions [b, s] are each sequence's, and
+    the scores' first axis is the sequence."""
+    per_seq = pos.tolist() if pos.dim() == 2 else [pos.tolist()]
+    for b, positions in enumerate(per_seq):
+        rows = scores[b] if pos.dim() == 2 else scores
+        for i, p in enumerate(positions):
+            rows[..., i, p + 1:].fill_(float("-inf"))
+            if window and p - window + 1 > 0:
+                rows[..., i, :p - window + 1].fill_(float("-inf"))
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -262,8 +269,8 @@ def _add_alibi(scores: torch.Tensor, slopes: tuple[float, ...], pos: torch.Tenso
 
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
-    if len(xs) != 4:
-        return False  # attention sinks: the reference kernel's
+    if len(xs) != 4 or (a["alibi"] and xs[3].dim() == 2):
+        return False  # attention sinks, or ALiBi from each sequence's position: the reference kernel's
     q, kc, vc, pos = xs
     out = outs[0]
     half = q.dtype in _HALF
@@ -274,7 +281,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
     g = hq // hkv
     # No query sees a row past the last position: those rows are neither read nor scored.
-    n = min(length, max(pos.tolist()) + 1)
+    n = min(length, max(pos.reshape(-1).tolist()) + 1)
     # Grouped-query attention without repeating K/V: q's heads of one group stack as rows.
     qg, k, v, o = q.view(b, hkv, g * s, d), kc[:, :, :n], vc[:, :, :n], out.view(b, hkv, g * s, dv)
     scores = _f32(ws, 0, (b, hkv, g * s, n))
@@ -331,7 +338,7 @@ def _mla_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
         return False  # no scratch planned (_mla_ws): the expanded or causal form, the reference kernel's
     b, h, s, _ = q_nope.shape
     r, dr, n = w_uk.shape[2], q_rot.shape[3], kv.shape[2]
-    m = n if pos is None else min(n, max(pos.tolist()) + 1)  # the rows any query sees
+    m = n if pos is None else min(n, max(pos.reshape(-1).tolist()) + 1)  # the rows any query sees
     q_cat = _f32(ws, 0, (b, h, s, r + dr))
     off = q_cat.numel() * F32
     scores = _f32(ws, off, (b, h, s, m))

@@ -113,6 +113,24 @@ class TargetAlignment(Pass):
         if new.producer is not None:
             g.rename(new, name)
 
+    def _rows(self, e: _Emit, node: Node, x: Value) -> Value:
+        """x's rows as one matrix [1, lead x m, k] where its leading dims hold several unaligned
+        row blocks (decode over several sequences: [b, 1, k]), so that they are padded once
+        together, [1, 16, k] rather than [b, 16, k], and read a weight once; else x."""
+        m, k = x.type.shape[-2:] if x.type.rank >= 2 else (0, 0)
+        lead = x.type.numel // max(m * k, 1)
+        if x.type.rank < 3 or lead == 1 or m % self.tile == 0 or node.attrs.get("valid_rows") is not None:
+            return x
+        return e.op("reshape", [x], {"shape": (1, lead * m, k)}, label="rows")
+
+    @staticmethod
+    def _unrows(e: _Emit, y: Value, x: Value, shape: tuple[int, ...]) -> Value:
+        """The product's rows cropped, and back in the node's output shape where _rows
+        made x one matrix."""
+        if x.producer is None or x.producer.op != "reshape" or not x.name.endswith("_rows"):
+            return e.crop(y, shape)
+        return e.op("reshape", [e.crop(y, (1, x.type.shape[1], shape[-1]))], {"shape": shape}, label="unrows")
+
     def _linear(self, g: Graph, node: Node) -> bool:
         x, w = node.inputs[0], node.inputs[1]
         bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -120,18 +138,19 @@ class TargetAlignment(Pass):
             return False
         layout = get_op("linear").full_attrs(node.attrs)["weight_layout"]
         n, k = linear_nk(w.type, layout)
-        m = x.type.shape[-2]
-        n2, k2, m2 = _up(n, self.tile), _up(k, self.tile), _up(m, self.tile)
-        if (n2, k2, m2) == (n, k, m):
+        if (_up(n, self.tile), _up(k, self.tile), _up(x.type.shape[-2], self.tile)) == (n, k, x.type.shape[-2]):
             return False
         e = _Emit(g, node)
+        x = self._rows(e, node, x)
+        m = x.type.shape[-2]
+        n2, k2, m2 = _up(n, self.tile), _up(k, self.tile), _up(m, self.tile)
         xp = e.pad(x, {-2: m2, -1: k2})
         wp = e.pad(w, {0: n2, 1: k2} if layout == "nk" else {0: k2, 1: n2})
         ins = [xp, wp] + ([e.pad(bias, {0: n2})] if bias is not None else [])
         # The padded rows are never read: a kernel that honours valid_rows skips them.
         attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
         y = e.op("linear", ins, attrs, label="aligned")
-        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        self._replace(g, node, self._unrows(e, y, x, node.outputs[0].type.shape))
         return True
 
     def _qlinear(self, g: Graph, node: Node) -> bool:
@@ -141,13 +160,15 @@ class TargetAlignment(Pass):
         if x.type.rank < 2:
             return False
         m = x.type.shape[-2]
-        m2 = _up(m, self.tile)
-        if m2 == m:
+        if _up(m, self.tile) == m:
             return False
         e = _Emit(g, node)
-        attrs = dict(node.attrs) | {"valid_rows": node.attrs.get("valid_rows") or m}
+        x = self._rows(e, node, x)
+        m = x.type.shape[-2]
+        m2 = _up(m, self.tile)
+        attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
         y = e.op("qlinear", [e.pad(x, {-2: m2}), *node.inputs[1:]], attrs, label="aligned")
-        self._replace(g, node, e.crop(y, node.outputs[0].type.shape))
+        self._replace(g, node, self._unrows(e, y, x, node.outputs[0].type.shape))
         return True
 
     def _matmul(self, g: Graph, node: Node) -> bool:

@@ -38,6 +38,7 @@ import torch
 from npuc.errors import EXIT_UNSUPPORTED, InternalError, NpucError
 from npuc.ir import DType, Graph
 from npuc.ir.evaluate import run_graph
+from npuc.passes.kv_cache import SLOT
 from npuc.passes.manager import Pass, PassResult
 
 _OF_PAST = {False: 1e-5, True: 1e-2}  # by whether the graph computes in a half dtype
@@ -71,7 +72,7 @@ def _zeros(g: Graph) -> dict[str, torch.Tensor]:
 
 
 def _ids(g: Graph) -> str:
-    ids = g.inputs
+    ids = [v for v in g.inputs if v.name != SLOT]  # a prefill into one of several slots: slot 0 here
     if len(ids) != 1 or ids[0].type.rank != 2 or ids[0].type.dtype.is_float:
         raise _refuse(f"the {g.name} program's inputs are not token ids alone, so decode cannot be "
                       "checked against prefill")
@@ -107,10 +108,14 @@ class DecodeCheck(Pass):
         if len(ids) != 1:
             raise _refuse("the decode program's inputs are not a token id and its position")
         seq = p.tokens.shape[1]
+        # With slots, decode runs every slot: the probe's sequence is slot 0 (what prefill filled)
+        step = {v.name: v for v in g.inputs}
+        rows = step[ids[0]].type.shape[0]
         feeds = {**_zeros(g), **{n: t for n, t in p.states.items() if n in g.states},
-                 ids[0]: p.tokens[:, -1:].clone(), "position": torch.tensor([seq - 1])}
+                 ids[0]: p.tokens[:, -1:].expand(rows, 1).clone(),
+                 "position": torch.full(step["position"].type.shape, seq - 1, dtype=torch.int64)}
         outs, _ = run_graph(g, feeds)
-        got = next(iter(outs.values()))[:, -1].float()
+        got = next(iter(outs.values()))[:p.want.shape[0], -1].float()
         diff = float((p.want - got).abs().max())
         half = _half(g)
         if not diff <= _OF_PAST[half] * p.past + _NOISE[half] * float(p.want.abs().max()):
@@ -122,7 +127,7 @@ class DecodeCheck(Pass):
 
     def _record(self, g: Graph) -> None:
         ids = _ids(g)
-        batch, seq = g.inputs[0].type.shape
+        batch, seq = next(v for v in g.inputs if v.name == ids).type.shape
         if seq < 2:
             raise _refuse("a prefill of one token cannot be checked against decode: give --input_shape a "
                           "prefill of at least 2")
@@ -131,13 +136,15 @@ class DecodeCheck(Pass):
             raise _refuse(f"the prefill program's first output {out} is not logits [batch, {seq}, vocab]")
         # token ids the model embeds: the rows of the table its ids index, within the logits' width
         vocab = min([out.shape[-1]] + [n.inputs[0].type.shape[0] for n in g.nodes
-                                       if n.op == "gather" and len(n.inputs) == 2 and n.inputs[1] is g.inputs[0]])
+                                       if n.op == "gather" and len(n.inputs) == 2 and n.inputs[1].name == ids])
         gen = torch.Generator().manual_seed(self.seed)
         dtype = g.inputs[0].type.dtype.torch
         tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(dtype)
 
+        slot = {SLOT: torch.zeros(1, dtype=torch.int64)} if any(v.name == SLOT for v in g.inputs) else {}
+
         def last_row(t: torch.Tensor, row: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            outs, states = run_graph(g, {ids: t, **_zeros(g)})
+            outs, states = run_graph(g, {ids: t, **slot, **_zeros(g)})
             return next(iter(outs.values()))[:, row].float(), states
 
         want, _ = last_row(tokens, seq - 1)

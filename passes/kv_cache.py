@@ -60,6 +60,15 @@ cached attention too. Its width comes from the model traced at the cache length
       %o = fused_attention[causal=true, window=16](%q, %k, %v)
       %o = cached_attention[window=16](%q, %wk, %wv, %position)     decode
 
+Slots (`slots` B > 1, an --input_shape batch of B): the states hold B sequences, [B, ...];
+prefill is traced for one and writes the slot its `slot` input names, decode runs one token
+of every slot, each at its own position:
+
+    prefill:  %wk = kv_write(%kv_cache.0.k, %k, @positions, %slot)            k [1, h, s, d]
+    decode:   %p = reshape[shape=[4,1]](%position : i64[4])
+              %wk = kv_write(%kv_cache.0.k, %k, %p)                           k [4, h, 1, d]
+              %o = cached_attention(%q, %wk, %wv, %p)         slot b: keys 0..position[b]
+
 A causal convolution over the sequence (the short conv of LFM2-style mixers) caches its
 inputs by position, one state `conv_cache.<i>` of [batch, 1, cache_len, channels] each,
 and decode convolves its token's window of them (`_conv`). The same conv opens state-space
@@ -111,8 +120,12 @@ class LongTrace:
     # Each attention's ALiBi slopes there (empty: none): a one-token decode trace cannot show
     # them (its only key is at distance 0).
     alibi: Sequence[tuple[float, ...]] = ()
+    # Sequences the cache holds (KVCache.slots): the --input_shape batch.
+    slots: int = 0
 
 
+# The prefill input naming the slot it fills, where the cache holds several sequences.
+SLOT = "slot"
 # Decode's attention over the cache is named after the attention it replaces, plus this:
 # `--keep_dtype X` keeps both programs' attention (and so their shared cache) as it is.
 CACHED = ".cached"
@@ -142,6 +155,10 @@ class KVCache(Pass):
     layers: int = 0
     # LongTrace.alibi: each attention's ALiBi slopes at max_seq_len.
     alibi: Sequence[tuple[float, ...]] = field(default=(), compare=False)
+    # Sequences the cache holds at once (0 or 1: one). With slots > 1 decode runs every slot,
+    # each at its own position (`position` [slots]), and prefill (of one sequence) writes the
+    # slot its `slot` input names.
+    slots: int = 0
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -164,10 +181,22 @@ class KVCache(Pass):
                 raise _refuse("the model already has an input named 'position'")
             if seq != 1:
                 raise _refuse(f"the decode trace has {seq} query positions, not 1")
-            pos = g.add_input("position", TensorType((1,), DType.i64))
+            batch = self._batch(g, attn, convs)
+            if self.slots > 1 and batch != self.slots:
+                raise _refuse(f"the decode trace runs {batch} sequences, the cache holds {self.slots}")
+            pos = g.add_input("position", TensorType((max(self.slots, 1),), DType.i64))
+            if self.slots > 1:  # each slot's own position: [slots, 1] for the ops
+                pos = g.add_node("reshape", [pos], [TensorType((self.slots, 1), DType.i64)],
+                                 {"shape": (self.slots, 1)}, names="position_per_slot", before=g.nodes[0]).outputs[0]
             if self.decode_positions:
                 self._position_ids(g, pos)
         else:
+            if self.slots > 1:
+                if any(v.name == SLOT for v in g.inputs):
+                    raise _refuse(f"the model already has an input named {SLOT!r}")
+                if self._batch(g, attn, convs) != 1:
+                    raise _refuse("a prefill into one slot runs one sequence")
+                g.add_input(SLOT, TensorType((1,), DType.i64))
             pos = g.add_constant(f"positions_{seq}", TensorType((seq,), DType.i64),
                                  TensorSource(torch.arange(seq, dtype=torch.int64)))
         if self.windows and len(self.windows) != len(attn):
@@ -187,6 +216,10 @@ class KVCache(Pass):
             self._rope(g, r, pos, seq, shared)
         details = {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)}
         return PassResult(g, True, {**details, **({"conv_caches": len(convs)} if convs else {})})
+
+    @staticmethod
+    def _batch(g: Graph, attn: Sequence[Node], convs: Sequence[Node]) -> int:
+        return (attn[0] if attn else convs[0]).inputs[0].type.shape[0]
 
     @staticmethod
     def _causal_conv(n: Node) -> list[Value] | None:
@@ -311,18 +344,22 @@ class KVCache(Pass):
             return True
         if not self.decode_positions:
             return False
-        t = evaluate_value(g, mask, {"position": torch.tensor([self.trace_position])}, max_bytes=1 << 20)
+        at = torch.full((max(self.slots, 1),), self.trace_position)
+        t = evaluate_value(g, mask, {"position": at}, max_bytes=1 << 20)
         return t is not None and bool(t.all() if t.dtype == torch.bool else (t == 0).all())
 
     def _position_ids(self, g: Graph, pos: Value) -> None:
-        """The model's own position ids input [batch, 1] becomes the decode position."""
+        """The model's own position ids input [batch, 1] becomes the decode position (each
+        slot's, [slots, 1], with slots)."""
         ids = next((v for v in g.inputs if v.name == self.decode_positions), None)
         if ids is None or ids.type.rank != 2 or ids.type.shape[1] != 1 or ids.type.dtype.is_float:
             raise _refuse(f"the decode program has no position ids input {self.decode_positions!r} [batch, 1]")
-        first = g.nodes[0]
-        v = g.add_node("reshape", [pos], [TensorType((1, 1), DType.i64)], {"shape": (1, 1)},
-                       names="position_ids_row", before=first).outputs[0]
-        if ids.type.shape[0] != 1:
+        first = next(n for n in g.nodes if n is not pos.producer) if pos.producer is not None else g.nodes[0]
+        v = pos
+        if pos.type.rank == 1:
+            v = g.add_node("reshape", [pos], [TensorType((1, 1), DType.i64)], {"shape": (1, 1)},
+                           names="position_ids_row", before=first).outputs[0]
+        if ids.type.shape[0] != v.type.shape[0]:
             v = g.add_node("expand", [v], [TensorType(ids.type.shape, DType.i64)], {"shape": ids.type.shape},
                            names="position_ids_rows", before=first).outputs[0]
         if ids.type.dtype != DType.i64:
@@ -332,10 +369,12 @@ class KVCache(Pass):
         g.inputs.remove(ids)
 
     def _write(self, g: Graph, name: str, x: Value, pos: Value, before: Node) -> Value:
-        """A state of `cache_len` rows for x's [b, heads, s, d], with x written at `pos`."""
+        """A state of `cache_len` rows for x's [b, heads, s, d] (b slots, or `slots`), with x
+        written at `pos` (into the `slot` input's slot, a prefill with slots)."""
         b, h, _, d = x.type.shape
-        st = g.add_state(name, TensorType((b, h, self.cache_len, d), x.type.dtype))
-        w = g.add_node("kv_write", [st, x, pos], [st.type], names=f"{name}.write", before=before)
+        st = g.add_state(name, TensorType((max(self.slots, b), h, self.cache_len, d), x.type.dtype))
+        slot = [v for v in g.inputs if v.name == SLOT] if self.slots > 1 and self.role != "decode" else []
+        w = g.add_node("kv_write", [st, x, pos, *slot], [st.type], names=f"{name}.write", before=before)
         g.set_state_update(st, w.outputs[0])
         return w.outputs[0]
 

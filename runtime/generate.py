@@ -18,6 +18,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def generation_info(s: Session) -> GenerationInfo:
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
         raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
-    ids = next(t for t in s.programs["prefill"].inputs if t.name != LAST_TOKEN)
+    ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
     last = any(t.name == LAST_TOKEN for t in s.programs["prefill"].inputs)
     return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name),
@@ -63,12 +64,9 @@ def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: b
         yield token
 
 
-def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False,
-          keep_logits: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (token, the logits it was chosen from) for each new token. Without
-    `keep_logits` the logits are a view of the arena, valid until the next step: the
-    decode loop then allocates no tensor in the runtime."""
-    info = generation_info(s)
+def check_prompt(info: GenerationInfo, prompt: Sequence[int]) -> None:
+    """NPUC-E0125 for a prompt generation cannot take: empty, one the cache cannot hold with a
+    token after it, or an id outside the vocabulary."""
     if not prompt:
         raise NpucError("NPUC-E0125", "the prompt is empty", "give at least one token id", exit_code=EXIT_USAGE)
     if len(prompt) >= info.max_seq_len:
@@ -78,9 +76,34 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     if bad is not None:
         raise NpucError("NPUC-E0125", f"token id {bad} is outside the model's vocabulary of {info.vocab}",
                         f"prompt ids are 0..{info.vocab - 1}", exit_code=EXIT_USAGE)
+
+
+def _slotted_steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool,
+                   keep_logits: bool) -> Iterator[tuple[int, torch.Tensor]]:
+    """One sequence through the scheduler (runtime/scheduler.py), in slot 0."""
+    from npuc.runtime.scheduler import Scheduler
+
+    sched = Scheduler(s, keep_logits=True)
+    sched.submit(list(prompt), max_new_tokens, ignore_eos)
+    while not sched.idle:
+        for e in sched.step():
+            assert e.token is not None and e.logits is not None
+            yield e.token, e.logits
+
+
+def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False,
+          keep_logits: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (token, the logits it was chosen from) for each new token. Without
+    `keep_logits` the logits are a view of the arena, valid until the next step: the
+    decode loop then allocates no tensor in the runtime."""
+    info = generation_info(s)
+    check_prompt(info, prompt)
+    if any(t.name == "slot" for t in s.programs["prefill"].inputs):  # a model of several slots
+        yield from _slotted_steps(s, prompt, max_new_tokens, ignore_eos, keep_logits)
+        return
     if info.batch != 1:
-        raise NpucError("NPUC-E0125", f"the model was compiled for batch {info.batch}; generate decodes one sequence",
-                        "compile with --input_shape input_ids:1,N", exit_code=EXIT_USAGE)
+        raise NpucError("NPUC-E0125", f"the model was compiled for batch {info.batch} by an npuc without slots: its "
+                        "prefill fills every sequence at once", "recompile it", exit_code=EXIT_USAGE)
     s.reset_state()
     n = min(len(prompt), info.prefill_len)
     first = torch.zeros((1, info.prefill_len), dtype=torch.int64)
@@ -115,6 +138,19 @@ def generate(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos:
 
 def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """encode/decode from the tokenizer files the compiler stored (needs transformers)."""
+    tok = load_tokenizer_object(s)
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=True)["input_ids"])
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    return encode, decode
+
+
+def load_tokenizer_object(s: Session) -> Any:
+    """The transformers tokenizer from the files the compiler stored (its chat template too)."""
     if "tokenizer" not in s.om.section_names():
         raise NpucError("NPUC-E0126", "the model has no tokenizer", "pass --prompt-ids, or compile from a Hugging "
                         "Face folder that has tokenizer files", exit_code=EXIT_USAGE)
@@ -134,11 +170,4 @@ def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[li
             raise NpucError("NPUC-E0411", f"the stored tokenizer does not load: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
                             "the file is damaged; recompile it", exit_code=EXIT_IO) from None
-
-    def encode(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=True)["input_ids"])
-
-    def decode(ids: list[int]) -> str:
-        return str(tok.decode(ids, skip_special_tokens=True))
-
-    return encode, decode
+    return tok

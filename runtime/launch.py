@@ -113,14 +113,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def _row_calls(x: torch.Tensor, attrs: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """(first row, rows) of each kernel call for a product over x: its leading dims
-    flattened, or per leading index the `valid_rows` of a tile-padded axis -2."""
+def _row_calls(x: torch.Tensor, attrs: Mapping[str, Any]) -> list[tuple[int, int, int]]:
+    """(first row, rows, row stride in rows) of each kernel call for a product over x: its
+    leading dims flattened; or, where a tile-padded axis -2 holds `valid_rows` of each
+    leading index, one strided call for one valid row each (decode over several sequences:
+    the weights are read once for all), else a call per leading index."""
     s = x.shape[-2] if x.dim() >= 2 else 1
     lead = math.prod(x.shape[:-2]) if x.dim() >= 2 else 1
     valid = attrs.get("valid_rows")
     valid = s if valid is None or not 1 <= valid <= s else valid
-    return [(0, lead * s)] if valid == s else [(i * s, valid) for i in range(lead)]
+    if valid == s:
+        return [(0, lead * s, 1)]
+    return [(0, lead, s)] if valid == 1 else [(i * s, valid, 1) for i in range(lead)]
 
 
 def _sequence(fs: Sequence[Launcher]) -> Launcher:
@@ -146,23 +150,23 @@ def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
     if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):
         return None
     calls = _row_calls(x, b.attrs)
-    if sum(r for _, r in calls) > GEMV_MAX_ROWS:
+    if sum(r for _, r, _ in calls) > GEMV_MAX_ROWS:
         return None
     fs = []
     if x.dtype == w.dtype == y.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
-        for row, rows in calls:
-            fs.append(functools.partial(lib.npuc_linear_f32, x.data_ptr() + row * k * 4, rows, k, w.data_ptr(),
-                                        int(layout == "kn"), n, k, _ptr(bias), y.data_ptr() + row * n * 4, n,
+        for row, rows, st in calls:
+            fs.append(functools.partial(lib.npuc_linear_f32, x.data_ptr() + row * k * 4, rows, st * k, w.data_ptr(),
+                                        int(layout == "kn"), n, k, _ptr(bias), y.data_ptr() + row * n * 4, st * n,
                                         ls.threads))
     elif w.dtype == torch.bfloat16 and layout == "nk" and {x.dtype, y.dtype} <= {torch.float32, torch.bfloat16} \
             and (bias is None or bias.dtype in (torch.float32, torch.bfloat16)):
         xb, yb = int(x.dtype == torch.bfloat16), int(y.dtype == torch.bfloat16)
-        ws = ls.scratch(2 * max(r for _, r in calls) * k)
-        for row, rows in calls:
+        ws = ls.scratch(2 * max(r for _, r, _ in calls) * k)
+        for row, rows, st in calls:
             fs.append(functools.partial(lib.npuc_linear_bf16, x.data_ptr() + row * k * x.element_size(), xb, rows,
-                                        k, w.data_ptr(), n, k, _ptr(bias),
+                                        st * k, w.data_ptr(), n, k, _ptr(bias),
                                         int(bias is not None and bias.dtype == torch.bfloat16),
-                                        y.data_ptr() + row * n * y.element_size(), yb, n, ws.data_ptr(),
+                                        y.data_ptr() + row * n * y.element_size(), yb, st * n, ws.data_ptr(),
                                         ls.threads))
     else:
         return None
@@ -214,23 +218,37 @@ def _native_rope(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
             or {x.dtype, cos_t.dtype, sin_t.dtype, out.dtype} != {F32} or pos.dtype != torch.int64:
         return None
     s, d = x.shape[-2], x.shape[-1]
-    if pos.dim() != 1 or pos.shape[0] != s or cos_t.dim() != 2 or cos_t.shape != sin_t.shape \
+    per_seq = pos.dim() == 2 and x.dim() >= 3 and tuple(pos.shape) == (x.shape[0], s)  # [b, s]: each sequence's
+    if (pos.dim() != 1 or pos.shape[0] != s) and not per_seq or cos_t.dim() != 2 or cos_t.shape != sin_t.shape \
             or 2 * cos_t.shape[1] > d:
         return None
     return _checked(functools.partial(lib.npuc_rope_f32, x.data_ptr(), pos.data_ptr(), cos_t.data_ptr(),
                                       sin_t.data_ptr(), out.data_ptr(), x.numel() // max(s * d, 1), s, d,
-                                      cos_t.shape[1], cos_t.shape[0], layout, ls.threads), b)
+                                      cos_t.shape[1], cos_t.shape[0], layout, x.shape[0] if per_seq else 0,
+                                      ls.threads), b)
 
 
 def _native_kv_write(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
-    cache, new, pos = b.ins
+    cache, new, pos = b.ins[:3]
+    slot = b.ins[3] if len(b.ins) > 3 else None
+    s = new.shape[2] if new.dim() == 4 else 0
     if cache.dim() != 4 or new.dim() != 4 or not _contiguous(cache, new, pos) or pos.dtype != torch.int64 \
             or {cache.dtype, new.dtype} - {F32, BF16} or b.outs[0].data_ptr() != cache.data_ptr() \
-            or cache.shape[:2] != new.shape[:2] or cache.shape[3] != new.shape[3] or tuple(pos.shape) != (new.shape[2],):
+            or new.shape[0] != (1 if slot is not None else cache.shape[0]) or cache.shape[1] != new.shape[1] \
+            or cache.shape[3] != new.shape[3] or tuple(pos.shape) not in ((s,), (new.shape[0], s)) \
+            or (slot is not None and (slot.dtype != torch.int64 or slot.numel() != 1)):
         return None
-    bb, h, length, d = cache.shape
-    return _checked(functools.partial(lib.npuc_kv_write, cache.data_ptr(), int(cache.dtype == BF16), new.data_ptr(),
-                                      int(new.dtype == BF16), pos.data_ptr(), bb, h, length, new.shape[2], d), b)
+    nb, h, _, d = new.shape
+    length = cache.shape[2]
+    call = functools.partial(lib.npuc_kv_write, cache.data_ptr(), int(cache.dtype == BF16), new.data_ptr(),
+                             int(new.dtype == BF16), pos.data_ptr(), s if pos.dim() == 2 else 0)
+    if slot is None:
+        return _checked(functools.partial(call, -1, nb, h, length, s, d), b)
+    slots, at = cache.shape[0], ctypes.c_int64.from_address(slot.data_ptr())
+
+    def into_slot() -> int:  # the slot is run-time data: checked against the cache's slots
+        return -1 if not 0 <= at.value < slots else call(at.value, nb, h, length, s, d)
+    return _checked(into_slot, b)
 
 
 def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
@@ -244,11 +262,12 @@ def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launc
     bb, hq, s, d = q.shape
     hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
     if kc.shape[0] != bb or vc.shape[:3] != kc.shape[:3] or kc.shape[3] != d or hq % hkv \
-            or tuple(out.shape) != (bb, hq, s, dv) or tuple(pos.shape) != (s,):
+            or tuple(out.shape) != (bb, hq, s, dv) or tuple(pos.shape) not in ((s,), (bb, s)):
         return None
     ws = ls.scratch(ls.threads * (length + d + dv))
     return _checked(functools.partial(lib.npuc_cached_attention, q.data_ptr(), int(q.dtype == BF16), kc.data_ptr(),
-                                      vc.data_ptr(), int(kc.dtype == BF16), pos.data_ptr(), out.data_ptr(),
+                                      vc.data_ptr(), int(kc.dtype == BF16), pos.data_ptr(),
+                                      s if pos.dim() == 2 else 0, out.data_ptr(),
                                       int(out.dtype == BF16), bb, hq, s, d, hkv, length, dv, b.attrs["scale"],
                                       ws.data_ptr(), ls.threads), b)
 
@@ -418,7 +437,7 @@ def _native_gemm(b: Bound, ls: Launchers) -> Launcher | None:
     if x.shape[-1] != k or y.shape[-1] != n or (bias is not None and tuple(bias.shape) != (n,)):
         return None
     calls = _row_calls(x, b.attrs)
-    if sum(r for _, r in calls) <= GEMV_MAX_ROWS:
+    if sum(r for _, r, _ in calls) <= GEMV_MAX_ROWS:
         return None
     packed = torch.empty(lib.npuc_gemm_packed_floats(n, k), dtype=F32)
     lib.npuc_gemm_pack_b(w.data_ptr(), int(w.dtype == BF16), int(kn), n, k, packed.data_ptr(), ls.threads)
@@ -426,10 +445,10 @@ def _native_gemm(b: Bound, ls: Launchers) -> Launcher | None:
     ls.packed_bytes += packed.numel() * 4
     bias_f = ls.keep(bias.float().contiguous()) if bias is not None else None
     xb, yb = int(x.dtype == BF16), int(y.dtype == BF16)
-    ws = ls.scratch(max(lib.npuc_gemm_scratch_floats(r, n, k, yb) for _, r in calls))
-    fs = [functools.partial(lib.npuc_gemm_f32, x.data_ptr() + row * k * x.element_size(), xb, rows, k,
-                            packed.data_ptr(), n, k, _ptr(bias_f), y.data_ptr() + row * n * y.element_size(), yb, n,
-                            ws.data_ptr(), ls.threads) for row, rows in calls]
+    ws = ls.scratch(max(lib.npuc_gemm_scratch_floats(r, n, k, yb) for _, r, _ in calls))
+    fs = [functools.partial(lib.npuc_gemm_f32, x.data_ptr() + row * k * x.element_size(), xb, rows, st * k,
+                            packed.data_ptr(), n, k, _ptr(bias_f), y.data_ptr() + row * n * y.element_size(), yb,
+                            st * n, ws.data_ptr(), ls.threads) for row, rows, st in calls]
     return _sequence(fs)
 
 
@@ -446,7 +465,7 @@ def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | Non
         return None
     n, k = q.shape[0], x.shape[-1]
     calls = _row_calls(x, b.attrs)
-    gemv = sum(r for _, r in calls) <= GEMV_MAX_ROWS
+    gemv = sum(r for _, r, _ in calls) <= GEMV_MAX_ROWS
     if gemv and bits == 4 and g % 16:
         return None  # the 4-bit GEMV reads whole blocks of 16: the reference kernel's case
     scale_f = ls.keep(scale.float().contiguous())
@@ -455,14 +474,14 @@ def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | Non
     xb, yb = int(x.dtype == BF16), int(y.dtype == BF16)
     if gemv:
         fn = lib.npuc_qlinear
-        ws = ls.scratch(max(lib.npuc_qlinear_scratch_floats(r, k, g) for _, r in calls))
+        ws = ls.scratch(max(lib.npuc_qlinear_scratch_floats(r, k, g) for _, r, _ in calls))
     else:
         fn = lib.npuc_qgemm
-        ws = ls.scratch(max(lib.npuc_qgemm_scratch_floats(r, n, k, yb, ls.threads) for _, r in calls))
-    fs = [_checked_call(functools.partial(fn, x.data_ptr() + row * k * x.element_size(), xb, rows, k, q.data_ptr(),
-                                          bits, scale_f.data_ptr(), zero_f.data_ptr(), n, k, g, _ptr(bias_f),
-                                          y.data_ptr() + row * n * y.element_size(), yb, n, ws.data_ptr(),
-                                          ls.threads), b) for row, rows in calls]
+        ws = ls.scratch(max(lib.npuc_qgemm_scratch_floats(r, n, k, yb, ls.threads) for _, r, _ in calls))
+    fs = [_checked_call(functools.partial(fn, x.data_ptr() + row * k * x.element_size(), xb, rows, st * k,
+                                          q.data_ptr(), bits, scale_f.data_ptr(), zero_f.data_ptr(), n, k, g,
+                                          _ptr(bias_f), y.data_ptr() + row * n * y.element_size(), yb, st * n,
+                                          ws.data_ptr(), ls.threads), b) for row, rows, st in calls]
     return _sequence(fs)
 
 

@@ -98,10 +98,20 @@ def _program_info(m: Any, prog: Any) -> dict[str, Any]:
     }
 
 
+def _caches(m: Any) -> list[Any]:
+    """The KV (and conv) caches: state tensors [slots, heads, positions, d]."""
+    return [t for t in m.tensors if t.region == "state" and not t.HasField("base") and len(t.shape) == 4
+            and t.shape[0] and t.shape[2]]
+
+
 def _kv_bytes_per_token(m: Any) -> int:
-    """State bytes per cached position: the KV cache rows ([b, heads, positions, d]) of one token."""
-    return sum(t.nbytes // t.shape[2] for t in m.tensors
-               if t.region == "state" and not t.HasField("base") and len(t.shape) == 4 and t.shape[2])
+    """State bytes per cached position of one sequence: its rows of every cache."""
+    return sum(t.nbytes // (t.shape[0] * t.shape[2]) for t in _caches(m))
+
+
+def _kv_slots(m: Any) -> int:
+    """Sequences the caches hold at once (their batch): --input_shape's batch with --max_seq_len."""
+    return min((int(t.shape[0]) for t in _caches(m)), default=0)
 
 
 def model_info(path: str) -> dict[str, Any]:
@@ -115,6 +125,8 @@ def model_info(path: str) -> dict[str, Any]:
         return {
             "programs": [_program_info(m, p) for p in m.programs],
             "kv_cache_bytes_per_token": _kv_bytes_per_token(m),
+            "kv_slots": _kv_slots(m),
+            "kv_cache_bytes_per_slot": sum(t.nbytes // t.shape[0] for t in _caches(m)),
             "format_version": FORMAT_VERSION,
             "file_bytes": max((s["offset"] + s["size"] for s in sections), default=0),
             "sections": sections,
@@ -173,6 +185,10 @@ def render_info(path: str, info: dict[str, Any]) -> str:
         ("arena", _b(info["arena_bytes"])),
         ("lower bound", _b(info["lower_bound_bytes"])),
         ("state", _b(info["state_bytes"]) + (f" (KV cache, {_b(info['kv_cache_bytes_per_token'])} per token)"
+                                             if info["state_bytes"] and info["kv_slots"] <= 1 else
+                                             f" (KV cache: {info['kv_slots']} slots of "
+                                             f"{_b(info['kv_cache_bytes_per_slot'])}, "
+                                             f"{_b(info['kv_cache_bytes_per_token'])} per token)"
                                              if info["state_bytes"] else "")),
         ("alignment", _b(info["alignment"])),
     ]

@@ -382,7 +382,7 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
     rows = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4]
     if rows and n > min(rows):
         raise bad(E_META, f"{path}: metadata max_seq_len={n} is longer than the KV cache's {min(rows)} rows")
-    ids = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name != "last_token"]
+    ids = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name not in ("last_token", "slot")]
     if not ids or len(ids[0].shape) != 2 or ids[0].shape[1] > n:
         raise bad(E_META, f"{path}: the prefill program's token input does not fit max_seq_len={n}")
     # What generate reads: logits from both, and a decode step of (the same ids, a position).
@@ -394,6 +394,20 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
             or len(ids) != 1:
         raise bad(E_INVALID, f"{path}: the decode program's inputs {[t.name for t in decode]} are not the "
                              f"prefill's {ids[0].name!r} and a position")
+    # Slots: prefill fills one sequence (its `slot` input), decode runs one token of each, at
+    # each one's position; the cache holds that many.
+    slot = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name == "slot"]
+    step = {t.name: t for t in decode}
+    slots = int(step[ids[0].name].shape[0]) if len(step[ids[0].name].shape) == 2 else 0
+    position = next(t for name, t in step.items() if name != ids[0].name)
+    caches = {int(t.shape[0]) for t in m.tensors if t.region == "state" and len(t.shape) == 4}
+    if slot and (list(slot[0].shape) != [1] or ids[0].shape[0] != 1 or slots < 2 or caches != {slots}
+                 or list(position.shape) != [slots]):
+        raise bad(E_INVALID, f"{path}: a prefill into a slot takes one sequence and slot [1], and decode one "
+                             f"token of each of the cache's slots at its position [slots]")
+    if not slot and list(position.shape) != [1]:
+        raise bad(E_INVALID, f"{path}: the decode program's position is {list(position.shape)}, not [1] (a model "
+                             "of one slot)")
     # Every token the logits can choose must be one the embedding takes back in.
     for prog in (progs["prefill"], progs["decode"]):
         ids_id = next(i for i in prog.inputs if m.tensors[i].name == ids[0].name)

@@ -91,6 +91,9 @@ class Session:
         self.arena_bytes = checked.arena_bytes
         self.state_bytes = checked.state_bytes
         self._cache_rows = position_rows(model)
+        # Sequences the KV cache holds (its batch), where prefill fills one by its `slot` input.
+        self._slots = min((int(t.shape[0]) for t in model.tensors if t.region == "state" and len(t.shape) == 4),
+                          default=0)
         self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -205,6 +208,10 @@ class Session:
                                     f"{self._cache_rows} positions the model caches",
                                     "positions run from 0 to --max_seq_len - 1",
                                     exit_code=EXIT_USAGE)
+            if t.name == "slot" and self._slots and not all(0 <= k < self._slots for k in x.reshape(-1).tolist()):
+                raise NpucError("NPUC-E0108", f"slot {x.tolist()} is outside the model's {self._slots} slots",
+                                f"slots run from 0 to {self._slots - 1} (the --input_shape batch - 1)",
+                                exit_code=EXIT_USAGE)
             rows, table = self._index_rows[p.name].get(t.name, (0, True))
             # The kernels count a negative index from the end; the row of last_token (which
             # generate and verify feed) is 0..S-1, as documented.

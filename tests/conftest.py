@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from hf_models import ARCHS, moe_config, save_checkpoint  # noqa: E402
+from hf_models import ARCHS, GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL, moe_config, save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,16 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_checkpoint(arch, str(root / arch))
         out[arch] = root / arch
     return out
+
+
+@pytest.fixture(scope="session")
+def gen_models(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each GEN_ARCHS checkpoint compiled with --max_seq_len (one slot), once per session."""
+    from npuc.compiler.driver import compile_model
+
+    root = tmp_path_factory.mktemp("gen")
+    return {arch: Path(compile_model(str(hf_checkpoints[arch]), input_shape=f"input_ids:1,{GEN_PREFILL}",
+                                     output=str(root / arch), max_seq_len=GEN_MAX_SEQ)) for arch in GEN_ARCHS}
 
 
 ONNX_OPSETS = [18, 23]

@@ -32,6 +32,9 @@ def make_config(arch: str) -> Any:
 
 
 ARCHS = ["llama", "qwen2", "mistral", "phi3", "deepseek_v3"]
+# What conftest's `gen_models` compiles with --max_seq_len (one slot each).
+GEN_ARCHS = ["llama", "qwen2", "mistral", "deepseek_v3", "phi3"]
+GEN_PREFILL, GEN_MAX_SEQ = 8, 48
 
 
 def save_checkpoint(arch: str, path: str, seed: int = 0) -> None:

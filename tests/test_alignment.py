@@ -49,6 +49,32 @@ def test_linear_padded_on_m_n_and_k() -> None:
     torch.testing.assert_close(_run(g, {"x": x})[0], before)
 
 
+def test_rows_of_several_sequences_padded_together() -> None:
+    """Decode over four sequences: [4, 1, k] is padded as one [1, 16, k] block (one product,
+    which reads the weight once and whose four valid rows are a contiguous prefix), not as
+    four [16, k] blocks."""
+    from npuc.ir import print_graph
+
+    g = _with_data("""graph main(%x : f32[4,1,40]) {
+  const @w : f32[32,40]
+  %y : f32[4,1,32] = linear(%x, @w)
+  return %y
+}
+""", w=torch.randn(32, 40))
+    x = torch.randn(4, 1, 40)
+    before = _run(g, {"x": x})[0]
+    TargetAlignment(16)(g)
+    verify(g)
+    text = print_graph(g)
+    for line in ["%y_rows : f32[1,4,40] = reshape[shape=[1,4,40]](%x)",
+                 "%y_pad : f32[1,16,48] = pad[pads=[0,0,0,0,12,8]](%y_rows)",
+                 "%y_aligned : f32[1,16,32] = linear[valid_rows=4](%y_pad, %y_pad_1)",
+                 "%y_unpad : f32[1,4,32] = slice[axis=1, end=4, start=0, step=1](%y_aligned)",
+                 "%y : f32[4,1,32] = reshape[shape=[4,1,32]](%y_unpad)"]:
+        assert line in text, text
+    torch.testing.assert_close(_run(g, {"x": x})[0], before)
+
+
 @pytest.mark.parametrize("causal, mask", [(True, None), (False, None), (False, "bool"), (False, "float")])
 def test_attention_padded_and_padding_masked(causal: bool, mask: str | None) -> None:
     mask_arg = ", @m" if mask else ""

@@ -118,3 +118,25 @@ def test_a_recurrence_after_the_conv_is_refused(recurrent: str, why: str, tmp_pa
     # without --max_seq_len it compiles (a single program, which is exact)
     compile_model(ConvLM(recurrent=recurrent).eval(), input_shape="input_ids:1,8", input_dtypes={"input_ids": "int64"},
                   output=str(tmp_path / "one"))
+
+
+def test_conv_caches_per_slot(tmp_path: Path) -> None:
+    """Three slots: each sequence's tokens are what it gets alone, the decode-check pass
+    probing slot 0; cached_conv1d reads each slot's window at its own position."""
+    from npuc.runtime.scheduler import generate_many
+
+    m = ConvLM().eval()
+    one = Session.load(_compile(m, tmp_path / "one"))
+    many = Session.load(compile_model(m, input_shape="input_ids:3,8", input_dtypes={"input_ids": "int64"},
+                                      output=str(tmp_path / "many"), max_seq_len=40))
+    assert {tuple(t.shape) for t in many.model.tensors if t.name.startswith("conv_cache.")} == {(3, 1, 48, 32)}
+    prompts = [[3, 9, 1, 40, 22, 5, 7, 11, 2, 60, 33], [4, 5], [8, 1, 2, 3, 9], [6] * 9, [12, 13, 14]]
+    want = [[t for t, _ in steps(one, p, 10, ignore_eos=True)] for p in prompts]
+    assert generate_many(many, prompts, 10, ignore_eos=True) == want
+    op = get_op("cached_conv1d")
+    cache = torch.randn(2, 1, 12, 6)
+    w = torch.randn(6, 1, 3)
+    (both,) = op.run([cache, w, torch.tensor([[4], [9]])], {"dilation": 1, "groups": 6})
+    for b, p in enumerate((4, 9)):
+        (alone,) = op.run([cache[b:b + 1], w, torch.tensor([p])], {"dilation": 1, "groups": 6})
+        assert torch.equal(both[b:b + 1], alone)

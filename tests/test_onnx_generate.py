@@ -261,3 +261,17 @@ def test_verify_against_the_with_past_file(arch: str, onnx_oms: dict[str, Path])
     report = verify(str(onnx_oms[arch]), _path(arch))
     assert report.ok and [o.source_name for o in report.outputs] == ["logits"]
     assert any("present.0.key" in n for n in report.notes)
+
+
+def test_with_past_export_over_slots(onnx_oms: dict[str, Path], tmp_path: Path) -> None:
+    """--input_shape batch_size:3 caches three sequences: prefill at batch 1 into a slot,
+    decode at batch 3; each sequence's tokens are the ones it gets alone."""
+    from npuc.runtime.scheduler import generate_many
+
+    om = compile_model(_path("qwen2"), input_shape="batch_size:3;sequence_length:8", max_seq_len=MAX_SEQ,
+                       output=str(tmp_path / "m"))
+    sess = Session.load(om)
+    assert [t.shape for t in sess.programs["decode"].inputs] == [(3, 1), (3,)]
+    prompts = [PROMPT, PROMPT[:3], list(range(30, 42)), [4, 4, 4, 4]]
+    want = [[t for t, _ in steps(Session.load(str(onnx_oms["qwen2"])), p, 8, ignore_eos=True)] for p in prompts]
+    assert generate_many(sess, prompts, 8, ignore_eos=True) == want

@@ -86,10 +86,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npuc_linear_f32.argtypes = [PTR, I64, I64, PTR, INT, I64, I64, PTR, PTR, I64, INT]
     lib.npuc_linear_bf16.argtypes = [PTR, INT, I64, I64, PTR, I64, I64, PTR, INT, PTR, INT, I64, PTR, INT]
     lib.npuc_rms_norm_f32.argtypes = [PTR, PTR, FLOAT, PTR, I64, I64, INT]
-    lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT, INT]
-    lib.npuc_kv_write.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, I64, I64]
-    lib.npuc_cached_attention.argtypes = [PTR, INT, PTR, PTR, INT, PTR, PTR, INT, I64, I64, I64, I64, I64, I64, I64,
-                                          FLOAT, PTR, INT]
+    lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT, I64, INT]
+    lib.npuc_kv_write.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, I64, I64, I64, I64]
+    lib.npuc_cached_attention.argtypes = [PTR, INT, PTR, PTR, INT, PTR, I64, PTR, INT, I64, I64, I64, I64, I64,
+                                          I64, I64, FLOAT, PTR, INT]
     lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64, INT]
     lib.npuc_add_f32.argtypes = [PTR, PTR, PTR, I64, INT]
     lib.npuc_cast.argtypes = [PTR, INT, PTR, INT, I64, INT]

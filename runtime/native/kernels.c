@@ -215,36 +215,6 @@ static inline __m256 load8_any(const void *p, int bf, i64 i) {
 
 /* ---- f32 weights, layout nk -------------------------------------------------------------- */
 
-/* out[0..3] = rows w, w+K, w+2K, w+3K dotted with x. */
-static void dot4_f32(const float *x, const float *w, i64 K, float *out) {
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    i64 k = 0;
-#ifdef NPUC_AVX2
-    const i64 pf = prefetch_rows(K, 4) * K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), x0, a0);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), x1, b0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), x0, a1);
-        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), x1, b1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), x0, a2);
-        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k + 8), x1, b2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), x0, a3);
-        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k + 8), x1, b3);
-    }
-    s0 = hsum(_mm256_add_ps(a0, b0)); s1 = hsum(_mm256_add_ps(a1, b1));
-    s2 = hsum(_mm256_add_ps(a2, b2)); s3 = hsum(_mm256_add_ps(a3, b3));
-#endif
-    for (; k < K; k++) {
-        float xv = x[k];
-        s0 += w0[k] * xv; s1 += w1[k] * xv; s2 += w2[k] * xv; s3 += w3[k] * xv;
-    }
-    out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
-}
-
 static float dot1_f32(const float *x, const float *w, i64 K) {
     float s = 0;
     i64 k = 0;
@@ -260,11 +230,53 @@ static float dot1_f32(const float *x, const float *w, i64 K) {
     return s;
 }
 
-/* Rows [lo, hi) for every x row: four weight rows stay in cache while the x rows go by. */
+/* Four weight rows dotted with R = 1 or 2 x rows (y rows ys apart): one accumulator per (x row,
+ * weight row), 8 k at a time, so every sum runs in the same order whatever R is. A sequence
+ * decoded beside others gets the logits it gets alone, bit for bit; two x rows share each
+ * weight load (decode over several slots is bound by the loads, not by the bytes). */
+static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, float *y, i64 ys) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K, *x1 = x + (R > 1 ? xs : 0);
+    float s[2][4] = {{0}};
+    i64 k = 0;
+#ifdef NPUC_AVX2
+    const i64 pf = prefetch_rows(K, 4) * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    if (R == 1)
+        for (; k + 8 <= K; k += 8) {
+            __m256 xa = _mm256_loadu_ps(x + k);
+            PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xa, a3);
+        }
+    else for (; k + 8 <= K; k += 8) {
+        __m256 xa = _mm256_loadu_ps(x + k), xc = _mm256_loadu_ps(x1 + k), v;
+        PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
+        v = _mm256_loadu_ps(w0 + k); a0 = _mm256_fmadd_ps(v, xa, a0); c0 = _mm256_fmadd_ps(v, xc, c0);
+        v = _mm256_loadu_ps(w1 + k); a1 = _mm256_fmadd_ps(v, xa, a1); c1 = _mm256_fmadd_ps(v, xc, c1);
+        v = _mm256_loadu_ps(w2 + k); a2 = _mm256_fmadd_ps(v, xa, a2); c2 = _mm256_fmadd_ps(v, xc, c2);
+        v = _mm256_loadu_ps(w3 + k); a3 = _mm256_fmadd_ps(v, xa, a3); c3 = _mm256_fmadd_ps(v, xc, c3);
+    }
+    s[0][0] = hsum(a0); s[0][1] = hsum(a1); s[0][2] = hsum(a2); s[0][3] = hsum(a3);
+    s[1][0] = hsum(c0); s[1][1] = hsum(c1); s[1][2] = hsum(c2); s[1][3] = hsum(c3);
+#endif
+    for (int r = 0; r < R; r++) {
+        const float *xr = r ? x1 : x;
+        for (i64 t = k; t < K; t++) {
+            float xv = xr[t];
+            s[r][0] += w0[t] * xv; s[r][1] += w1[t] * xv; s[r][2] += w2[t] * xv; s[r][3] += w3[t] * xv;
+        }
+        for (int j = 0; j < 4; j++) y[r * ys + j] = s[r][j];
+    }
+}
+
+/* Rows [lo, hi) for every x row: four weight rows stay in cache while the x rows go by, two at a time. */
 static void nk_f32(const float *x, i64 M, i64 xs, const float *w, i64 K, i64 lo, i64 hi, float *y, i64 ys) {
     i64 n = lo;
     for (; n + 4 <= hi; n += 4)
-        for (i64 m = 0; m < M; m++) dot4_f32(x + m * xs, w + n * K, K, y + m * ys + n);
+        for (i64 m = 0; m < M; m += 2)
+            dot4xr_f32(x + m * xs, xs, M - m > 1 ? 2 : 1, w + n * K, K, y + m * ys + n, ys);
     for (; n < hi; n++)
         for (i64 m = 0; m < M; m++) y[m * ys + n] = dot1_f32(x + m * xs, w + n * K, K);
 }
@@ -926,11 +938,12 @@ int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out,
     return 0;
 }
 
-/* Rotary embedding from tables: x [G, S, d] (G = batch x heads), pos [S], tables [T, half].
+/* Rotary embedding from tables: x [G, S, d] (G = batch x heads), pos [S] (or [B, S], per_seq the
+ * rows of one sequence), tables [T, half].
  * layout 0 "half": pairs (j, j + half) -> halves; 1 "interleaved": pairs (2j, 2j+1) -> pairs;
  * 2 "deinterleave": pairs (2j, 2j+1) -> halves. Dims past 2*half are copied. */
 typedef struct { const float *x; const int64_t *pos; const float *cos_t, *sin_t; float *out;
-                 i64 S, d, half, rows, per; int layout; } rope_job;
+                 i64 S, d, half, rows, per; int layout; i64 per_seq; } rope_job;
 
 static void rope_chunk(const void *p, i64 c, int tid) {
     (void)tid;
@@ -938,7 +951,7 @@ static void rope_chunk(const void *p, i64 c, int tid) {
     i64 d = jb->d, half = jb->half, end = (c + 1) * jb->per < jb->rows ? (c + 1) * jb->per : jb->rows;
     int layout = jb->layout;
     for (i64 r = c * jb->per; r < end; r++) {
-        i64 i = r % jb->S;
+        i64 i = jb->per_seq ? (r / jb->per_seq) * jb->S + r % jb->S : r % jb->S;  /* each sequence's rows */
         const float *xr = jb->x + r * d, *cs = jb->cos_t + jb->pos[i] * half, *sn = jb->sin_t + jb->pos[i] * half;
         float *o = jb->out + r * d;
         for (i64 j = 0; j < half; j++) {
@@ -951,27 +964,31 @@ static void rope_chunk(const void *p, i64 c, int tid) {
     }
 }
 
+/* x [G, S, d] rotated at pos [S]; or (B > 0) x [B, G / B, S, d] with pos [B, S], each sequence's. */
 int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const float *sin_t, float *out,
-                  i64 G, i64 S, i64 d, i64 half, i64 T, int layout, int nt) {
-    for (i64 i = 0; i < S; i++)
+                  i64 G, i64 S, i64 d, i64 half, i64 T, int layout, i64 B, int nt) {
+    for (i64 i = 0; i < (B > 0 ? B * S : S); i++)
         if (pos[i] < 0 || pos[i] >= T) return -1;
     i64 rows = G * S;
     nt = threads_for(rows * d * 4 * 4, nt);
-    rope_job j = {x, pos, cos_t, sin_t, out, S, d, half, rows, 1, layout};
+    rope_job j = {x, pos, cos_t, sin_t, out, S, d, half, rows, 1, layout, B > 0 ? rows / B : 0};
     j.per = (rows + 4 * nt - 1) / (4 * nt);
     if (j.per < 1) j.per = 1;
     parallel(rope_chunk, &j, (rows + j.per - 1) / j.per, nt);
     return 0;
 }
 
-/* cache[b, h, pos[i], :] = new[b, h, i, :], in place; caches and rows f32 or bf16. */
-int npuc_kv_write(void *cache, int cbf, const void *src, int sbf, const int64_t *pos, i64 B, i64 H, i64 L,
-                  i64 S, i64 D) {
-    for (i64 i = 0; i < S; i++)
+/* cache[b, h, pos[i], :] = new[b, h, i, :], in place; caches and rows f32 or bf16. pos [S] for
+ * every sequence (pstride 0) or [B, S] (pstride S, each its own); sequence b goes to cache slot b,
+ * or (slot >= 0, B = 1) to slot `slot`. */
+int npuc_kv_write(void *cache, int cbf, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot,
+                  i64 B, i64 H, i64 L, i64 S, i64 D) {
+    for (i64 i = 0; i < (pstride ? B * S : S); i++)
         if (pos[i] < 0 || pos[i] >= L) return -1;
     for (i64 bh = 0; bh < B * H; bh++)
         for (i64 i = 0; i < S; i++) {
-            i64 dst = (bh * L + pos[i]) * D, from = (bh * S + i) * D;
+            i64 b = bh / H, row = ((slot >= 0 ? slot : b) * H + bh % H) * L;
+            i64 dst = (row + pos[b * pstride + i]) * D, from = (bh * S + i) * D;
             if (cbf == sbf) memcpy((char *)cache + dst * (cbf ? 2 : 4), (const char *)src + from * (sbf ? 2 : 4),
                                    (size_t)D * (cbf ? 2 : 4));
             else for (i64 k = 0; k < D; k++) store_any(cache, cbf, dst + k, load_any(src, sbf, from + k));
@@ -1106,7 +1123,7 @@ static float exp_sum(float *sc, i64 n, float mx) {
 }
 
 typedef struct {
-    const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; void *out; int obf;
+    const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; i64 pstride; void *out; int obf;
     i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
 } attention_job;
 
@@ -1115,7 +1132,7 @@ static void attention_chunk(const void *p, i64 job, int tid) {
     i64 L = j->L, D = j->D, DV = j->DV;
     float *sc = j->scratch + (i64)tid * (L + D + DV), *qf = sc + L, *acc = qf + D;
     i64 b = job / (j->HQ * j->S), h = (job / j->S) % j->HQ, i = job % j->S;
-    i64 kvh = b * j->HKV + h / (j->HQ / j->HKV), n = j->pos[i] + 1;
+    i64 kvh = b * j->HKV + h / (j->HQ / j->HKV), n = j->pos[b * j->pstride + i] + 1;
     for (i64 k = 0; k < D; k++) qf[k] = load_any(j->q, j->qbf, job * D + k);
     float mx = -INFINITY;
     i64 r4 = 0;
@@ -1182,11 +1199,11 @@ static void attention_chunk(const void *p, i64 job, int tid) {
  * q [B, HQ, S, D], caches [B, HKV, L, D] / [B, HKV, L, DV], out [B, HQ, S, DV]; each f32 or
  * bf16, computed in f32. scratch: nt * (L + D + DV) floats. */
 int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int cbf, const int64_t *pos,
-                          void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, float scale,
-                          float *scratch, int nt) {
-    for (i64 i = 0; i < S; i++)
+                          i64 pstride, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV,
+                          float scale, float *scratch, int nt) {
+    for (i64 i = 0; i < (pstride ? B * S : S); i++)
         if (pos[i] < 0 || pos[i] >= L) return -1;
-    attention_job j = {q, qbf, kc, vc, cbf, pos, out, obf, HQ, S, D, HKV, L, DV, scale, scratch};
+    attention_job j = {q, qbf, kc, vc, cbf, pos, pstride, out, obf, HQ, S, D, HKV, L, DV, scale, scratch};
     parallel(attention_chunk, &j, B * HQ * S, threads_for(B * HKV * L * (D + DV) * (cbf ? 2 : 4) * 4, nt));
     return 0;
 }

@@ -1,0 +1,185 @@
+"""A bounded load test of `npuc serve` on loopback: time to first token (TTFT) and
+inter-token latency (ITL), P50 and P99, at a steady request rate below saturation and at
+saturation.
+
+    python bench/serve_load.py OM [--requests 40] [--new 32] [--rate R] [--time-limit 300]
+
+The server runs in its own process (`npuc serve OM --port P`); the client streams every
+request (`/v1/completions`, `stream: true`) from its own thread and stamps each token as it
+arrives. Capacity is measured first (SLOTS requests at once: completions per second);
+steady: requests arrive at half of it, evenly spaced; saturation: all at once. Each phase
+is bounded by the request count and a time limit. Prompts are `prompt` random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(round(q / 100 * (len(ys) - 1))))] if ys else float("nan")
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def stream(self, prompt: list[int], new: int) -> tuple[float, list[float]]:
+        """(seconds to the first token, the gaps between the later ones)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        t0 = time.perf_counter()
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": new,
+                                                              "ignore_eos": True, "stream": True}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"status {r.status}: {r.read()[:200]!r}")
+        stamps = []
+        for raw in r:
+            line = raw.strip()
+            if line.startswith(b"data: {"):
+                stamps.extend([time.perf_counter()] * len(json.loads(line[6:])["choices"][0]["token_ids"]))
+        c.close()
+        return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def phase(client: Client, prompts: list[list[int]], new: int, interval: float, limit: float) -> dict[str, Any]:
+    ttft: list[float] = []
+    itl: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(p: list[int]) -> None:
+        try:
+            first, gaps = client.stream(p, new)
+        except Exception as e:  # noqa: BLE001 - a failed request is a figure of the run
+            with lock:
+                errors.append(str(e))
+            return
+        with lock:
+            ttft.append(first)
+            itl.extend(gaps)
+
+    threads = []
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        wait = start + i * interval - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        if time.perf_counter() - start > limit:
+            break
+        t = threading.Thread(target=one, args=(p,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(max(0.0, limit - (time.perf_counter() - start)))
+    wall = time.perf_counter() - start
+    return {"requests": len(threads), "completed": len(ttft), "errors": errors[:5], "wall_s": wall,
+            "tok_per_s": (len(itl) + len(ttft)) / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "itl_p99_over_p50": pct(itl, 99) / pct(itl, 50) if itl else float("nan"),
+            "interval_s": interval}
+
+
+def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: float,
+        rate: float | None = None) -> dict[str, Any]:
+    import random
+
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "npuc", "serve", str(om), "--port", str(port),
+                             "--max-queue", str(max(requests, 1))], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("npuc serve did not start") from None
+                time.sleep(0.2)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        c.request("GET", "/metrics")
+        slots = int(next(float(line.split()[-1]) for line in c.getresponse().read().decode().splitlines()
+                         if line.startswith("npuc_slots ")))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+        client = Client(port)
+        # capacity: every slot busy (and a warm-up)
+        cap = phase(client, prompts[:slots], new, 0.0, limit)
+        per_s = rate or cap["completed"] / cap["wall_s"]
+        steady = phase(client, prompts, new, 1.0 / (0.5 * per_s) if not rate else 1.0 / rate, limit)
+        saturated = phase(client, prompts, new, 0.0, limit)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    return {"slots": slots, "prompt": prompt_len, "new": new, "capacity_req_per_s": per_s,
+            "steady": steady, "saturation": saturated, "exit_code": proc.returncode}
+
+
+def render(load: dict[str, Any]) -> list[str]:
+    st, sa = load["steady"], load["saturation"]
+    lines = ["", "## Serving under load", "",
+             f"bench/serve_load.py: `npuc serve` ({load['slots']} slots) on loopback, every request streamed, "
+             f"{load['prompt']} prompt tokens and {load['new']} new ones each. Capacity (all slots busy): "
+             f"{load['capacity_req_per_s']:.2f} requests/s. Steady: requests every {st['interval_s']:.2f} s "
+             "(half the capacity); saturation: all at once.", "",
+             "| load | requests | completed | tokens/s | TTFT P50 (ms) | TTFT P99 (ms) | ITL P50 (ms) | ITL P99 (ms) "
+             "| ITL P99/P50 |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, d in (("steady", st), ("saturation", sa)):
+        lines.append(f"| {name} | {d['requests']} | {d['completed']} | {d['tok_per_s']:.1f} | {d['ttft_p50_ms']:.0f} | "
+                     f"{d['ttft_p99_ms']:.0f} | {d['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} | "
+                     f"{d['itl_p99_over_p50']:.2f} |")
+    ratio = st["itl_p99_over_p50"]
+    lines += ["", f"Target: ITL P99 at most 1.3x its P50 at the steady load: {ratio:.2f}x "
+                  f"({'met' if ratio <= 1.3 else 'missed'}). Server exit code after SIGTERM: {load['exit_code']}."]
+    if ratio > 1.3:
+        lines += ["", "Why: a newly admitted request's prefill runs between two decode steps, so the requests "
+                      "already decoding wait for it; at the steady load that gap is the P99. A decode step is bound "
+                      "by reading the weights, and so is a prefill of a few tokens (one of 4 tokens costs about a "
+                      "decode step on this model): splitting the prompt into chunks of their own steps does not "
+                      "bound the gap either. What does is chunked prefill mixed into the decode step's products "
+                      "(the prompt's rows beside the slots' in each matrix product), not built yet "
+                      "(docs/serving.md)."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("om")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--rate", type=float, default=None, help="steady requests/s (default: half the capacity)")
+    ap.add_argument("--time-limit", type=float, default=300)
+    args = ap.parse_args(argv)
+    load = run(Path(args.om), args.vocab, args.prompt, args.new, args.requests, args.time_limit, args.rate)
+    print(json.dumps(load, indent=2))
+    print("\n".join(render(load)), file=sys.stderr)
+    sys.exit(0 if load["steady"]["completed"] and not load["steady"]["errors"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Many sequences over the slots of a `.om`: in-flight batching with static shapes.
+
+A model compiled with `--max_seq_len N --input_shape input_ids:B,S` caches B sequences, one
+a slot (passes/kv_cache.py). Its prefill fills one slot, the one its `slot` input names,
+from position 0; its decode runs one token of every slot, each at its own position
+(`position` [B]). A model compiled at batch 1 is one slot, whose prefill takes no `slot`.
+
+Each `step()`:
+  1. admits queued requests into free slots: a prefill each, whose last row's logits give
+     the request's first token (a prompt longer than the prefill sends the rest through
+     decode, one token a step, as `generate` does);
+  2. runs one decode step for all slots, and takes each active slot's next token;
+  3. frees a slot whose request ended: at an end-of-sequence id (unless ignored), at its
+     `max_new_tokens`, when its cache is full, or when cancelled.
+
+A free slot still runs in the decode step (the shapes are static): token 0 at position 0 of
+its own cache rows, which no request reads, since a prefill writes a slot's rows before any
+query of its request can see them. The feeds are buffers allocated once, so a step
+allocates nothing beyond what the session's run does (nothing, for decode) and the tokens
+chosen. Greedy only: each request's tokens are the ones it gets decoded alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from npuc.errors import EXIT_USAGE, NpucError
+from npuc.runtime.generate import LAST_TOKEN, GenerationInfo, check_prompt, generation_info
+from npuc.runtime.session import Session
+
+SLOT = "slot"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    ignore_eos: bool = False
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of sequence), "length", "cache_full", "cancelled"
+    slot: int = -1
+    pos: int = 0  # the position the next fed token is written at
+    feed: list[int] = field(default_factory=list)  # tokens to feed: the prompt's rest, then the last chosen
+
+
+@dataclass(frozen=True)
+class Event:
+    """A token a request got in a step (None where it ended without one: cancelled), and
+    why it ended after it, if it did. `logits`: the row it was chosen from, with keep_logits."""
+
+    request: int
+    token: int | None
+    finish_reason: str | None = None
+    logits: torch.Tensor | None = None
+
+
+class Scheduler:
+    def __init__(self, s: Session, keep_logits: bool = False) -> None:
+        self.session = s
+        self.info: GenerationInfo = generation_info(s)
+        decode = s.programs["decode"]
+        self._ids_name = self.info.ids_name
+        self._pos_name = next(t.name for t in decode.inputs if t.name != self._ids_name)
+        self.slots = next(t.shape[0] for t in decode.inputs if t.name == self._ids_name)
+        prefill_inputs = {t.name for t in s.programs["prefill"].inputs}
+        self._slotted = SLOT in prefill_inputs
+        if self.slots > 1 and not self._slotted:
+            raise NpucError("NPUC-E0125", f"the model was compiled for batch {self.slots} by an npuc without "
+                            "slots: its prefill fills every sequence at once", "recompile it", exit_code=EXIT_USAGE)
+        self.keep_logits = keep_logits
+        self._ids = torch.zeros((self.slots, 1), dtype=torch.int64)
+        self._pos = torch.zeros((self.slots,), dtype=torch.int64)
+        self._prompt = torch.zeros((1, self.info.prefill_len), dtype=torch.int64)
+        self._last = torch.zeros((1,), dtype=torch.int64)
+        self._slot = torch.zeros((1,), dtype=torch.int64)
+        self._running: list[Request | None] = [None] * self.slots
+        self._queue: deque[Request] = deque()
+        self._ids_counter = itertools.count()
+        self.requests: dict[int, Request] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        """What `submit` refuses (NPUC-E0125): an empty prompt, one the cache cannot hold with a
+        token after it, an id outside the vocabulary, or max_new_tokens < 1."""
+        check_prompt(self.info, prompt)
+        if max_new_tokens < 1:
+            raise NpucError("NPUC-E0125", f"max_new_tokens is {max_new_tokens}", "ask for at least one token",
+                            exit_code=EXIT_USAGE)
+
+    def submit(self, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> int:
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, max_new_tokens)
+        r = Request(next(self._ids_counter), prompt, max_new_tokens, ignore_eos)
+        self.requests[r.id] = r
+        self._queue.append(r)
+        return r.id
+
+    def cancel(self, rid: int) -> bool:
+        """End a request now (its slot is free for the next step); False if it had ended."""
+        r = self.requests.get(rid)
+        if r is None or r.finish_reason is not None:
+            return False
+        r.finish_reason = "cancelled"
+        if r.slot >= 0:
+            self._running[r.slot] = None
+        else:
+            self._queue.remove(r)
+        return True
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self._running)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self.active
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        for k in range(self.slots):
+            if self._running[k] is None and self._queue:
+                self._admit(self._queue.popleft(), k, events)
+        if not self.active:
+            return events
+        for k, r in enumerate(self._running):
+            self._ids[k, 0] = r.feed[0] if r is not None else 0
+            self._pos[k] = r.pos if r is not None else 0
+        logits = self.session.run({self._ids_name: self._ids, self._pos_name: self._pos}, "decode",
+                                  copy_outputs=False)["logits"]
+        for k, r in enumerate(self._running):
+            if r is None:
+                continue
+            r.feed.pop(0)
+            r.pos += 1
+            if not r.feed:
+                self._choose(r, logits[k, -1], events)
+        return events
+
+    def _admit(self, r: Request, k: int, events: list[Event]) -> None:
+        info = self.info
+        n = min(len(r.prompt), info.prefill_len)
+        self._prompt.zero_()
+        self._prompt[0, :n] = torch.tensor(r.prompt[:n], dtype=torch.int64)
+        feeds = {info.ids_name: self._prompt}
+        if info.last_token:
+            self._last[0] = n - 1
+            feeds[LAST_TOKEN] = self._last
+        if self._slotted:
+            self._slot[0] = k
+            feeds[SLOT] = self._slot
+        logits = self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0, 0 if info.last_token else n - 1]
+        r.slot, r.pos, r.feed = k, n, list(r.prompt[n:])
+        self._running[k] = r
+        if not r.feed:
+            self._choose(r, logits, events)
+
+    def _choose(self, r: Request, logits: torch.Tensor, events: list[Event]) -> None:
+        token = int(logits.argmax())
+        r.tokens.append(token)
+        if token in self.info.eos and not r.ignore_eos:
+            r.finish_reason = "stop"
+        elif len(r.tokens) >= r.max_new_tokens:
+            r.finish_reason = "length"
+        elif r.pos >= self.info.max_seq_len:
+            r.finish_reason = "cache_full"
+        else:
+            r.feed.append(token)
+        if r.finish_reason is not None:
+            self._running[r.slot] = None
+        events.append(Event(r.id, token, r.finish_reason, logits.clone() if self.keep_logits else None))
+
+
+def generate_many(s: Session, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+                  ) -> list[list[int]]:
+    """Greedy tokens for each prompt, decoded over the model's slots together."""
+    sched = Scheduler(s)
+    for p in prompts:
+        sched.check(list(p), max_new_tokens)  # every prompt before any runs
+    ids = [sched.submit(list(p), max_new_tokens, ignore_eos) for p in prompts]
+    while not sched.idle:
+        sched.step()
+    return [sched.requests[i].tokens for i in ids]
