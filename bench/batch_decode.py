@@ -4,7 +4,8 @@ prompts, padded on the left, in the same run.
 
     python bench/batch_decode.py [--quick] [--work DIR] [--merge docs/benchmarks.json]
 
-(then the serving load test, bench/serve_load.py, on the batch-4 model).
+(then the serving load test, bench/serve_load.py, on the batch-4 model, with and without
+--decode_tokens 4).
 
 npuc: one `.om` per batch (`--input_shape input_ids:B,<prompt> --max_seq_len ...`); B
 prompts are admitted (a prefill each), then every step decodes one token of each slot. A
@@ -116,13 +117,23 @@ def run(ckpt: Path, s: Sizes, work: Path, rounds: int, batches: tuple[int, ...] 
             "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}
 
 
-def load_test(work: Path, s: Sizes, quick: bool) -> dict[str, Any]:
-    """bench/serve_load.py on the batch-4 model (batch 2 with --quick) that run() compiled."""
+DECODE_TOKENS = 4  # the chunked-prefill configuration the load test also serves
+
+
+def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, Any]]:
+    """bench/serve_load.py on the batch-4 model (batch 2 with --quick) that run() compiled,
+    and on the same with --decode_tokens DECODE_TOKENS."""
     import serve_load
 
+    from npuc.compiler.driver import compile_model
+
     b = 2 if quick else 4
-    return serve_load.run(work / f"batch_{s.hidden}x{s.layers}_b{b}.om", s.vocab, s.prompt, s.new,
-                          requests=8 if quick else 40, limit=120 if quick else 900)
+    chunked = work / f"batch_{s.hidden}x{s.layers}_b{b}_c{DECODE_TOKENS}.om"
+    if not chunked.exists():
+        compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len, soc_version="cpu",
+                      decode_tokens=DECODE_TOKENS, output=str(chunked)[:-3])
+    return [serve_load.run(om, s.vocab, s.prompt, s.new, requests=8 if quick else 40, limit=120 if quick else 900)
+            for om in (work / f"batch_{s.hidden}x{s.layers}_b{b}.om", chunked)]
 
 
 def render(batch: dict[str, Any]) -> list[str]:
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = llama_checkpoint(s, work / f"llama_{s.hidden}x{s.layers}")
     batch = run(ckpt, s, work, args.rounds or (1 if args.quick else 3), (1, 2) if args.quick else BATCHES)
-    load = load_test(work, s, args.quick)
+    load = load_test(work, ckpt, s, args.quick)
     print(json.dumps({"batch": batch, "serve_load": load}, indent=2))
     import serve_load
 

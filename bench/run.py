@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = batch_decode.run(ckpt, s, work, rounds=1 if args.quick else 3,
                              batches=(1, 2) if args.quick else batch_decode.BATCHES)
     print("[bench] serving under load (bench/serve_load.py)", file=sys.stderr)
-    serve = batch_decode.load_test(work, s, args.quick)
+    serve = batch_decode.load_test(work, ckpt, s, args.quick)
     print("[bench] compile time", file=sys.stderr)
     compile_time = compile_vs_load(ckpt, s, work, reps=1 if args.quick else 3)
     read_bytes, weight_bytes = decode_read_bytes(ckpt)

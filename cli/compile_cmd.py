@@ -125,6 +125,10 @@ _MODEL_OPTIONS = [
     click.option("--prefill_logits", "--prefill-logits", "prefill_logits", default=None, metavar="last|all",
                  help="With --max_seq_len: last (default) computes prefill's logits for the row its last_token "
                       "input names only; all computes every row's."),
+    click.option("--decode_tokens", "--decode-tokens", "decode_tokens", type=int, default=None, metavar="C",
+                 help="With --max_seq_len: the tokens of each slot a decode step runs (default 1). C > 1 lets a "
+                      "new request's prompt go through the decode steps beside the slots decoding (chunked "
+                      "prefill, `npuc serve`)."),
     click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16",
                  help="Weight-only quantization: int8 per output channel (w8a16) or int4 per group (w4a16); "
                       "quantized products take 16-bit activations (docs/quantization.md)."),
@@ -196,7 +200,8 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
     check_framework(opts["framework"], source)
     common = dict(input_shape=opts["input_shape"], soc_version=opts["soc_version"],
                   precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
-                  max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"], out_nodes=opts["out_nodes"],
+                  max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"],
+                  decode_tokens=opts["decode_tokens"], out_nodes=opts["out_nodes"],
                   input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
                   quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"],
                   trust_pickle=opts["trust_pickle"])

@@ -236,16 +236,17 @@ def _check_room(seq: int, max_seq_len: int) -> None:
                         exit_code=EXIT_USAGE)
 
 
-def _onnx_programs(model: Any, input_shape: Any, max_seq_len: int) -> tuple[Graph, Graph, LongTrace, Source]:
+def _onnx_programs(model: Any, input_shape: Any, max_seq_len: int, decode_tokens: int = 1
+                   ) -> tuple[Graph, Graph, LongTrace, Source]:
     """build_programs for an ONNX causal LM exported with its KV cache (compiler/onnx_decode.py)."""
     from npuc.compiler.onnx_decode import onnx_programs
 
     if not os.path.isfile(model):
         raise NpucError("NPUC-E0401", f"model path {os.fspath(model)!r} does not exist",
                         "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
-    progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION)
+    progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION, decode_tokens)
     _token_ids(progs.prefill, max_seq_len)
-    tables = dataclasses.replace(_rope_tables(progs.full), slots=progs.slots)
+    tables = dataclasses.replace(_rope_tables(progs.full), slots=progs.slots, decode_tokens=decode_tokens)
     return progs.prefill, progs.decode, tables, Source("onnx", progs.files)
 
 
@@ -316,8 +317,8 @@ def _rope_tables(full: Graph) -> LongTrace:
 
 
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
-                   loaded: LoadedModel | None = None, *, trust_pickle: bool = False, slots: int = 0
-                   ) -> tuple[Graph, LongTrace]:
+                   loaded: LoadedModel | None = None, *, trust_pickle: bool = False, slots: int = 0,
+                   decode_tokens: int = 1) -> tuple[Graph, LongTrace]:
     """The model traced for one token (the decode program's source: of every slot, with
     slots), and the RoPE tables of the model traced at max_seq_len: two more static traces
     (build_programs derives both from the prefill's trace where the model traces at any
@@ -325,14 +326,14 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     ids = _token_ids(prefill, max_seq_len)
     batch = max(slots, ids.type.shape[0])
     loaded = loaded or _load(model, input_dtypes, trust_pickle)
-    positions = torch.full((batch, 1), DECODE_TRACE_POSITION, dtype=torch.int64)
-    decode = _import(loaded, _export(loaded, {ids.name: (batch, 1)}, {"position_ids": positions}))
+    positions = (DECODE_TRACE_POSITION + torch.arange(decode_tokens)).repeat(batch, 1)
+    decode = _import(loaded, _export(loaded, {ids.name: (batch, decode_tokens)}, {"position_ids": positions}))
     full = _import(loaded, _export(loaded, {ids.name: (ids.type.shape[0], max_seq_len)}))
     return decode, dataclasses.replace(_rope_tables(full), layers=_layers(loaded))
 
 
 def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
-                   *, trust_pickle: bool = False) -> tuple[Graph, Graph, LongTrace, Source]:
+                   *, trust_pickle: bool = False, decode_tokens: int = 1) -> tuple[Graph, Graph, LongTrace, Source]:
     """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
     tokens at positions 0..), the decode program (one token, traced at
     DECODE_TRACE_POSITION) and the RoPE tables of every position to cache.
@@ -343,9 +344,11 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     data-dependent size) is traced three times at static shapes instead.
 
     A batch of B > 1 token ids makes B slots: prefill and the long trace run one sequence,
-    decode all B (LongTrace.slots; passes/kv_cache.py), from a second trace at batch B."""
+    decode all B (LongTrace.slots; passes/kv_cache.py), from a second trace at batch B.
+    `decode_tokens` C > 1: decode runs C tokens of each slot a step (LongTrace.decode_tokens)."""
+    _check_room(decode_tokens, max_seq_len - DECODE_TRACE_POSITION)
     if _is_onnx(model):
-        return _onnx_programs(model, input_shape, max_seq_len)
+        return _onnx_programs(model, input_shape, max_seq_len, decode_tokens)
     loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
     source = Source(loaded.kind, loaded.files)
@@ -353,9 +356,9 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     slots = _slots(shapes)
     if slots > 1:
         shapes = {k: (1, *v[1:]) for k, v in shapes.items()}
-    programs = _one_trace(loaded, shapes, max_seq_len)
+    programs = _one_trace(loaded, shapes, max_seq_len, decode_tokens)
     if programs is not None and slots > 1:
-        batched = _one_trace(loaded, {k: (slots, *v[1:]) for k, v in shapes.items()}, max_seq_len)
+        batched = _one_trace(loaded, {k: (slots, *v[1:]) for k, v in shapes.items()}, max_seq_len, decode_tokens)
         programs = None if batched is None else (programs[0], batched[1], programs[2], batched[3])
     if programs is not None:
         try:
@@ -364,7 +367,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:
-            tables = dataclasses.replace(tables, layers=_layers(loaded), slots=slots)
+            tables = dataclasses.replace(tables, layers=_layers(loaded), slots=slots, decode_tokens=decode_tokens)
             if tables.tables:
                 _token_ids(prefill, max_seq_len)
                 return prefill, decode, tables, source
@@ -379,8 +382,9 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
                     _token_ids(prefill, max_seq_len)
                     return prefill, decode, dataclasses.replace(tables, decode_positions=POSITIONS), source
     prefill = _import(loaded, _export(loaded, shapes))
-    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded, slots=slots)
-    return prefill, decode, dataclasses.replace(tables, slots=slots), source
+    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded, slots=slots,
+                                    decode_tokens=decode_tokens)
+    return prefill, decode, dataclasses.replace(tables, slots=slots, decode_tokens=decode_tokens), source
 
 
 def _slots(shapes: Mapping[str, tuple[int, ...]]) -> int:
@@ -400,7 +404,7 @@ class _NotStatic(Exception):
     """A program traced at a symbolic length does not specialise to this one."""
 
 
-def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_len: int
+def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_len: int, decode_tokens: int = 1
                ) -> tuple[torch.export.ExportedProgram, ...] | None:
     """Prefill, decode and max_seq_len programs from one trace, or None where the model
     needs a trace per length."""
@@ -420,8 +424,9 @@ def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_
             # An op npuc imports only in functional ATen, or one that writes in place.
             ep = _decomposed(ep)
             prefill = _at_length(ep, ids[0], seq, 0)
-        return (prefill, _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0),
-                _at_length(ep, ids[0], 1, DECODE_TRACE_POSITION, keep_positions=True))
+        c = decode_tokens
+        return (prefill, _at_length(ep, ids[0], c, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0),
+                _at_length(ep, ids[0], c, DECODE_TRACE_POSITION, keep_positions=True))
     except Exception as e:  # noqa: BLE001 - any failure here (a torch version whose export internals
         # differ, too) only costs the static traces, which say what is wrong if anything is
         log.debug("no single trace at a symbolic length for this model (%s): tracing each length", e)
@@ -584,6 +589,7 @@ def compile_model(
     keep_dtype: str | os.PathLike[str] | Sequence[str] | None = None,
     max_seq_len: int | None = None,
     prefill_logits: str | None = None,
+    decode_tokens: int | None = None,
     quant_type: str | None = None,
     group_size: int | None = None,
     quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
@@ -622,6 +628,7 @@ def compile_model(
     target = get_target(soc_version)
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
     check_max_seq_len(max_seq_len)
+    check_decode_tokens(decode_tokens, max_seq_len)
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
     quant = check_quant(quant_type, group_size)
     exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
@@ -646,11 +653,13 @@ def compile_model(
         graph, source = build_graph(model, input_shape, input_dtypes, trust_pickle=trust_pickle)
     else:
         graph, decode_graph, tables, source = build_programs(model, input_shape, input_dtypes, max_seq_len,
-                                                             trust_pickle=trust_pickle)
+                                                             trust_pickle=trust_pickle,
+                                                             decode_tokens=decode_tokens or 1)
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
-                     max_seq_len=max_seq_len, soc_version=soc_version, out_nodes=out_nodes, quant_type=quant_type,
+                     max_seq_len=max_seq_len, decode_tokens=decode_tokens, soc_version=soc_version,
+                     out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
                      quant_exclude=exclude or None,
                      input_format=None if input_format == "ND" else input_format)
@@ -759,7 +768,8 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     probe = DecodeProbe()  # prefill's pipeline records it, decode's checks against it
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, trace.tables, position, trace.windows,
-                                     trace.decode_positions, trace.layers, trace.alibi, trace.slots) if trace else
+                                     trace.decode_positions, trace.layers, trace.alibi, trace.slots,
+                                     trace.decode_tokens) if trace else
                              KVCache(role, cache_len, (), position),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,
@@ -781,6 +791,17 @@ def check_max_seq_len(max_seq_len: Any) -> None:
                                     or max_seq_len < 1):
         raise NpucError("NPUC-E0124", f"--max_seq_len {max_seq_len!r} is not a positive integer",
                         "give the longest sequence (prompt + generated tokens) to cache, e.g. --max_seq_len 2048",
+                        exit_code=EXIT_USAGE)
+
+
+def check_decode_tokens(decode_tokens: Any, max_seq_len: int | None) -> None:
+    if decode_tokens is None:
+        return
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or not 1 <= decode_tokens <= 64:
+        raise NpucError("NPUC-E0124", f"--decode_tokens {decode_tokens!r} is not an integer from 1 to 64",
+                        "give the tokens of each slot a decode step runs, e.g. --decode_tokens 4", exit_code=EXIT_USAGE)
+    if max_seq_len is None:
+        raise NpucError("NPUC-E0124", "--decode_tokens needs --max_seq_len", "add --max_seq_len N",
                         exit_code=EXIT_USAGE)
 
 

@@ -55,7 +55,8 @@ class OnnxPrograms:
     slots: int = 1
 
 
-def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position: int) -> OnnxPrograms:
+def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position: int, decode_tokens: int = 1
+                  ) -> OnnxPrograms:
     """The prefill, decode and max_seq_len programs of the ONNX causal LM at `path`."""
     model = load_onnx(path)
     past = [n for n in model.inputs if PAST.search(n)]
@@ -123,7 +124,7 @@ def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position:
         return g
 
     # With a batch of B > 1 the cache holds B sequences: prefill fills one, decode runs them all.
-    return OnnxPrograms(program(length, 0, "prefill", 1), program(1, trace_position, "decode", batch),
+    return OnnxPrograms(program(length, 0, "prefill", 1), program(decode_tokens, trace_position, "decode", batch),
                         program(max_seq_len, 0, f"max_seq_len ({max_seq_len})", 1), list(model.files), batch)
 
 

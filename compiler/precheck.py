@@ -9,6 +9,7 @@ run says so in `skipped`. The report is JSON (`npuc-precheck/1`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from npuc.compiler import instrument
 from npuc.compiler.driver import (
     _decode_inputs,
     build_graph,
+    check_decode_tokens,
     check_input_format,
     check_input_layout,
     check_max_seq_len,
@@ -67,7 +69,8 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              prefill_logits: str | None = None, out_nodes: str | Sequence[str] | None = None,
              input_format: str = "ND", quant_type: str | None = None, group_size: int | None = None,
              quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
-             quant_strict: bool = False, trust_pickle: bool = False) -> PrecheckReport:
+             quant_strict: bool = False, trust_pickle: bool = False,
+             decode_tokens: int | None = None) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -85,6 +88,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     mode = attempt("precision mode", lambda: check_mode(precision_mode), "must_keep_origin_dtype")
     keep = attempt("keep_dtype", lambda: read_keep_dtype(keep_dtype), frozenset[str]())
     attempt("max_seq_len", lambda: check_max_seq_len(max_seq_len), None)
+    attempt("decode_tokens", lambda: check_decode_tokens(decode_tokens, max_seq_len), None)
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
     exclude = attempt("quant_exclude", lambda: read_keep_dtype(quant_exclude, "--quant_exclude"), frozenset[str]())
@@ -104,7 +108,9 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     graphs: list[Graph] = []
     if max_seq_len:
         def decode() -> None:
-            dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes, trust_pickle=trust_pickle)
+            dg, tables = _decode_inputs(model, graph, max_seq_len, input_dtypes, trust_pickle=trust_pickle,
+                                        decode_tokens=decode_tokens or 1)
+            tables = dataclasses.replace(tables, decode_tokens=decode_tokens or 1)
             select_outputs(dg, out_nodes)
             for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables, rows,
                                                                       quantize), strict=True):

@@ -69,6 +69,9 @@ of every slot, each at its own position:
               %wk = kv_write(%kv_cache.0.k, %k, %p)                           k [4, h, 1, d]
               %o = cached_attention(%q, %wk, %wv, %p)         slot b: keys 0..position[b]
 
+With `decode_tokens` C > 1 the decode trace has C tokens of each slot, and `position` is
+[slots, C], each token's own (no reshape): the ops take [b, s] positions as they are.
+
 A causal convolution over the sequence (the short conv of LFM2-style mixers) caches its
 inputs by position, one state `conv_cache.<i>` of [batch, 1, cache_len, channels] each,
 and decode convolves its token's window of them (`_conv`). The same conv opens state-space
@@ -122,6 +125,8 @@ class LongTrace:
     alibi: Sequence[tuple[float, ...]] = ()
     # Sequences the cache holds (KVCache.slots): the --input_shape batch.
     slots: int = 0
+    # Tokens of each slot a decode step runs (KVCache.decode_tokens): --decode_tokens.
+    decode_tokens: int = 1
 
 
 # The prefill input naming the slot it fills, where the cache holds several sequences.
@@ -159,6 +164,9 @@ class KVCache(Pass):
     # each at its own position (`position` [slots]), and prefill (of one sequence) writes the
     # slot its `slot` input names.
     slots: int = 0
+    # Tokens of each slot a decode step runs: 1, or C > 1 with `position` [slots, C], each
+    # token's own (a prompt fed C tokens a step beside the slots decoding one).
+    decode_tokens: int = 1
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -179,13 +187,20 @@ class KVCache(Pass):
         if self.role == "decode":
             if any(v.name == "position" for v in g.inputs):
                 raise _refuse("the model already has an input named 'position'")
-            if seq != 1:
-                raise _refuse(f"the decode trace has {seq} query positions, not 1")
+            if seq != self.decode_tokens:
+                raise _refuse(f"the decode trace has {seq} query positions, not {self.decode_tokens}")
+            if seq > 1 and convs:
+                raise _refuse("a decode step of several tokens beside a cached convolution (cached_conv1d "
+                              "computes one token's window)")
             batch = self._batch(g, attn, convs)
             if self.slots > 1 and batch != self.slots:
                 raise _refuse(f"the decode trace runs {batch} sequences, the cache holds {self.slots}")
-            pos = g.add_input("position", TensorType((max(self.slots, 1),), DType.i64))
-            if self.slots > 1:  # each slot's own position: [slots, 1] for the ops
+            slots = max(self.slots, 1)
+            if seq > 1:  # each token's own position, [slots, C]: what the ops take
+                pos = g.add_input("position", TensorType((slots, seq), DType.i64))
+            else:
+                pos = g.add_input("position", TensorType((slots,), DType.i64))
+            if self.slots > 1 and seq == 1:  # each slot's own position: [slots, 1] for the ops
                 pos = g.add_node("reshape", [pos], [TensorType((self.slots, 1), DType.i64)],
                                  {"shape": (self.slots, 1)}, names="position_per_slot", before=g.nodes[0]).outputs[0]
             if self.decode_positions:
@@ -290,7 +305,7 @@ class KVCache(Pass):
         # one-token trace masks its own key only, which the cache's positions replace.
         if mask is not None and not ((self.role == "decode" or n.attrs.get("causal")) and self._hides_nothing(g, mask)):
             raise _refuse(f"attention {n.name} has a mask that is not the plain causal one")
-        if self.role == "prefill" and seq > 1 and not n.attrs.get("causal", False):
+        if seq > 1 and not n.attrs.get("causal", False):
             raise _refuse(f"attention {n.name} is not causal")
         window = int(n.attrs.get("window", 0))
         if self.windows and self.windows[i] != UNCHECKED:
@@ -345,6 +360,8 @@ class KVCache(Pass):
         if not self.decode_positions:
             return False
         at = torch.full((max(self.slots, 1),), self.trace_position)
+        if self.decode_tokens > 1:
+            at = self.trace_position + torch.arange(self.decode_tokens).repeat(max(self.slots, 1), 1)
         t = evaluate_value(g, mask, {"position": at}, max_bytes=1 << 20)
         return t is not None and bool(t.all() if t.dtype == torch.bool else (t == 0).all())
 

@@ -98,7 +98,9 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     decode loop then allocates no tensor in the runtime."""
     info = generation_info(s)
     check_prompt(info, prompt)
-    if any(t.name == "slot" for t in s.programs["prefill"].inputs):  # a model of several slots
+    decode_ids = next(t for t in s.programs["decode"].inputs if t.name == info.ids_name)
+    if any(t.name == "slot" for t in s.programs["prefill"].inputs) or decode_ids.shape[1] > 1:
+        # a model of several slots, or of several tokens a decode step
         yield from _slotted_steps(s, prompt, max_new_tokens, ignore_eos, keep_logits)
         return
     if info.batch != 1:

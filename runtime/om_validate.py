@@ -396,18 +396,21 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
                              f"prefill's {ids[0].name!r} and a position")
     # Slots: prefill fills one sequence (its `slot` input), decode runs one token of each, at
     # each one's position; the cache holds that many.
+    # Decode: C tokens (1, or --decode_tokens) of every slot, at positions [slots] (C = 1) or [slots, C].
     slot = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name == "slot"]
     step = {t.name: t for t in decode}
-    slots = int(step[ids[0].name].shape[0]) if len(step[ids[0].name].shape) == 2 else 0
+    shape = list(step[ids[0].name].shape)
+    slots, c = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     position = next(t for name, t in step.items() if name != ids[0].name)
     caches = {int(t.shape[0]) for t in m.tensors if t.region == "state" and len(t.shape) == 4}
+    want = [slots] if c == 1 else [slots, c]
     if slot and (list(slot[0].shape) != [1] or ids[0].shape[0] != 1 or slots < 2 or caches != {slots}
-                 or list(position.shape) != [slots]):
-        raise bad(E_INVALID, f"{path}: a prefill into a slot takes one sequence and slot [1], and decode one "
-                             f"token of each of the cache's slots at its position [slots]")
-    if not slot and list(position.shape) != [1]:
-        raise bad(E_INVALID, f"{path}: the decode program's position is {list(position.shape)}, not [1] (a model "
-                             "of one slot)")
+                 or list(position.shape) != want):
+        raise bad(E_INVALID, f"{path}: a prefill into a slot takes one sequence and slot [1], and decode the "
+                             f"tokens of each of the cache's slots at their positions {want}")
+    if not slot and list(position.shape) != ([1] if c == 1 else [1, c]):
+        raise bad(E_INVALID, f"{path}: the decode program's position is {list(position.shape)}, not "
+                             f"{[1] if c == 1 else [1, c]} (a model of one slot)")
     # Every token the logits can choose must be one the embedding takes back in.
     for prog in (progs["prefill"], progs["decode"]):
         ids_id = next(i for i in prog.inputs if m.tensors[i].name == ids[0].name)

@@ -15,7 +15,12 @@ Each `step()`:
 
 A free slot still runs in the decode step (the shapes are static): token 0 at position 0 of
 its own cache rows, which no request reads, since a prefill writes a slot's rows before any
-query of its request can see them. The feeds are buffers allocated once, so a step
+query of its request can see them.
+
+A model compiled with `--decode_tokens C` decodes C tokens of each slot a step. A request
+admitted while other slots decode then skips the prefill: its prompt goes through the
+decode steps C tokens at a time (chunked prefill), so the slots decoding never wait for a
+whole prompt; a slot with fewer than C tokens to feed repeats its last one. The feeds are buffers allocated once, so a step
 allocates nothing beyond what the session's run does (nothing, for decode) and the tokens
 chosen. Greedy only: each request's tokens are the ones it gets decoded alone.
 """
@@ -66,15 +71,16 @@ class Scheduler:
         decode = s.programs["decode"]
         self._ids_name = self.info.ids_name
         self._pos_name = next(t.name for t in decode.inputs if t.name != self._ids_name)
-        self.slots = next(t.shape[0] for t in decode.inputs if t.name == self._ids_name)
+        self.slots, self.tokens = next(t.shape for t in decode.inputs if t.name == self._ids_name)
         prefill_inputs = {t.name for t in s.programs["prefill"].inputs}
         self._slotted = SLOT in prefill_inputs
         if self.slots > 1 and not self._slotted:
             raise NpucError("NPUC-E0125", f"the model was compiled for batch {self.slots} by an npuc without "
                             "slots: its prefill fills every sequence at once", "recompile it", exit_code=EXIT_USAGE)
         self.keep_logits = keep_logits
-        self._ids = torch.zeros((self.slots, 1), dtype=torch.int64)
-        self._pos = torch.zeros((self.slots,), dtype=torch.int64)
+        self._ids = torch.zeros((self.slots, self.tokens), dtype=torch.int64)
+        self._pos = torch.zeros((self.slots,) if self.tokens == 1 else (self.slots, self.tokens), dtype=torch.int64)
+        self._fed = [0] * self.slots  # tokens each slot feeds this step
         self._prompt = torch.zeros((1, self.info.prefill_len), dtype=torch.int64)
         self._last = torch.zeros((1,), dtype=torch.int64)
         self._slot = torch.zeros((1,), dtype=torch.int64)
@@ -134,22 +140,37 @@ class Scheduler:
                 self._admit(self._queue.popleft(), k, events)
         if not self.active:
             return events
+        c = self.tokens
+        pos = self._pos.view(self.slots, c)
         for k, r in enumerate(self._running):
-            self._ids[k, 0] = r.feed[0] if r is not None else 0
-            self._pos[k] = r.pos if r is not None else 0
+            # up to C tokens of the slot's feed; the rest of its C rows repeat the last (token,
+            # position), which writes the same key and value again: a no-op on the cache
+            n = min(c, len(r.feed)) if r is not None else 1
+            for i in range(c):
+                j = min(i, n - 1)
+                self._ids[k, i] = r.feed[j] if r is not None else 0
+                pos[k, i] = r.pos + j if r is not None else 0
+            self._fed[k] = n
         logits = self.session.run({self._ids_name: self._ids, self._pos_name: self._pos}, "decode",
                                   copy_outputs=False)["logits"]
         for k, r in enumerate(self._running):
             if r is None:
                 continue
-            r.feed.pop(0)
-            r.pos += 1
+            n = self._fed[k]
+            del r.feed[:n]
+            r.pos += n
             if not r.feed:
-                self._choose(r, logits[k, -1], events)
+                self._choose(r, logits[k, n - 1 if logits.shape[1] == c else -1], events)
         return events
 
     def _admit(self, r: Request, k: int, events: list[Event]) -> None:
         info = self.info
+        if self.tokens > 1 and self.active:
+            # Slots are decoding: the prompt goes through the decode steps, C tokens a step,
+            # rather than a prefill the decoding slots would wait for (chunked prefill).
+            r.slot, r.pos, r.feed = k, 0, list(r.prompt)
+            self._running[k] = r
+            return
         n = min(len(r.prompt), info.prefill_len)
         self._prompt.zero_()
         self._prompt[0, :n] = torch.tensor(r.prompt[:n], dtype=torch.int64)

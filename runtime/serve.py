@@ -189,7 +189,11 @@ class Engine:
             except queue.Empty:
                 return
             if what == "submit":
-                p.rid = self.sched.submit(p.prompt, p.max_tokens, p.ignore_eos)  # checked by the HTTP side
+                try:
+                    p.rid = self.sched.submit(p.prompt, p.max_tokens, p.ignore_eos)  # checked by the HTTP side
+                except NpucError as e:  # what the HTTP side's checks missed ends this request, not the thread
+                    p.loop.call_soon_threadsafe(p.out.put_nowait, e)
+                    continue
                 self._live[p.rid] = p
             elif p.rid in self._live:
                 self.sched.cancel(p.rid)

@@ -140,3 +140,12 @@ def test_conv_caches_per_slot(tmp_path: Path) -> None:
     for b, p in enumerate((4, 9)):
         (alone,) = op.run([cache[b:b + 1], w, torch.tensor([p])], {"dilation": 1, "groups": 6})
         assert torch.equal(both[b:b + 1], alone)
+
+
+def test_several_decode_tokens_beside_a_cached_conv_are_refused(tmp_path: Path) -> None:
+    from npuc.errors import NpucError
+
+    with pytest.raises(NpucError) as e:
+        _compile(ConvLM().eval(), tmp_path / "c", decode_tokens=2)
+    assert e.value.code == "NPUC-E0123" and "cached_conv1d" in e.value.message
+    assert not list(tmp_path.iterdir())

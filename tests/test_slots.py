@@ -179,3 +179,52 @@ def test_learned_positions_per_slot(tmp_path: Path) -> None:
     prompts = [[5, 6, 7], [1] * 11, [9, 8, 7, 6, 5, 4, 3, 2], [4, 4]]
     want = [[t for t, _ in _alone(Path(one), p, 10)] for p in prompts]
     assert generate_many(Session.load(many), prompts, 10, ignore_eos=True) == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_several_tokens_a_step_feed_prompts_beside_the_decoding_slots(
+        arch: str, hf_checkpoints: dict[str, Path], slot_models: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """--decode_tokens 4: a decode step runs 4 tokens of each slot. Requests admitted while
+    others decode skip the prefill (their prompt goes through the decode steps, 4 tokens at a
+    time); every token and logit is still the sequence's alone, and the step allocates nothing."""
+    from npuc.runtime.alloc_profile import profile_run
+
+    om = compile_model(str(hf_checkpoints[arch]), input_shape=f"input_ids:{SLOTS},{GEN_PREFILL}",
+                       max_seq_len=GEN_MAX_SEQ, decode_tokens=4, output=str(tmp_path / "c4"))
+    sess = Session.load(om)
+    assert [t.shape for t in sess.programs["decode"].inputs] == [(SLOTS, 4), (SLOTS, 4)]
+    prefills = []
+    run = sess.run
+
+    def counting(inputs, program=None, copy_outputs=True):  # type: ignore[no-untyped-def]
+        prefills.append(program == "prefill")
+        return run(inputs, program, copy_outputs)
+
+    sess.run = counting  # type: ignore[method-assign]
+    sched = Scheduler(sess, keep_logits=True)
+    ids = [sched.submit(p, n, ignore_eos=True) for p, n in zip(PROMPTS, NEW, strict=True)]
+    got: dict[int, list[tuple[int, torch.Tensor]]] = {i: [] for i in ids}
+    while not sched.idle:
+        for e in sched.step():
+            got[e.request].append((e.token, e.logits))
+    assert 0 < sum(prefills) < len(PROMPTS)  # the first admissions prefill; later ones feed through decode
+    for i, prompt, new in zip(ids, PROMPTS, NEW, strict=True):
+        want = _alone(slot_models[arch][0], prompt, new)
+        assert [t for t, _ in got[i]] == [t for t, _ in want]
+        err = max(float((a - b).abs().max()) for (_, a), (_, b) in zip(got[i], want, strict=True))
+        assert err < 1e-4, f"sequence {i}: logits differ from its decoding alone by {err}"
+    sess.run = run  # type: ignore[method-assign]
+    step = {"input_ids": torch.ones(SLOTS, 4, dtype=torch.int64), "position": torch.arange(16).reshape(SLOTS, 4)}
+    sess.run(step, "decode")
+    r = profile_run(sess, step, "decode", copy_outputs=False)
+    assert (r.count, r.bytes) == (0, 0)
+
+
+@pytest.mark.parametrize("value, max_seq, msg", [(0, GEN_MAX_SEQ, "not an integer from 1 to 64"),
+                                                 (2, None, "needs --max_seq_len")])
+def test_decode_tokens_errors(value: int, max_seq: int | None, msg: str, hf_checkpoints: dict[str, Path],
+                              tmp_path: Path) -> None:
+    with pytest.raises(NpucError) as e:
+        compile_model(str(hf_checkpoints["llama"]), input_shape="input_ids:1,8", max_seq_len=max_seq,
+                      decode_tokens=value, output=str(tmp_path / "m"))
+    assert e.value.code == "NPUC-E0124" and msg in e.value.message and not list(tmp_path.iterdir())
