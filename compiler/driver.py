@@ -244,7 +244,8 @@ def _onnx_programs(model: Any, input_shape: Any, max_seq_len: int, decode_tokens
     if not os.path.isfile(model):
         raise NpucError("NPUC-E0401", f"model path {os.fspath(model)!r} does not exist",
                         "pass a .onnx or .pt2 file or a Hugging Face checkpoint folder", exit_code=EXIT_IO)
-    progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION, decode_tokens)
+    progs = onnx_programs(os.fspath(model), input_shape, max_seq_len, DECODE_TRACE_POSITION, decode_tokens,
+                          check_room=lambda seq: _check_room(seq, max_seq_len))
     _token_ids(progs.prefill, max_seq_len)
     tables = dataclasses.replace(_rope_tables(progs.full), slots=progs.slots, decode_tokens=decode_tokens)
     return progs.prefill, progs.decode, tables, Source("onnx", progs.files)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +55,11 @@ class OnnxPrograms:
     slots: int = 1
 
 
-def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position: int, decode_tokens: int = 1
-                  ) -> OnnxPrograms:
-    """The prefill, decode and max_seq_len programs of the ONNX causal LM at `path`."""
+def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position: int, decode_tokens: int = 1,
+                  check_room: Callable[[int], None] | None = None) -> OnnxPrograms:
+    """The prefill, decode and max_seq_len programs of the ONNX causal LM at `path`.
+    `check_room(prefill length)` refuses a prefill the cache has no room after, before any
+    program is built."""
     model = load_onnx(path)
     past = [n for n in model.inputs if PAST.search(n)]
     present = [o.name for o in model.proto.graph.output if PRESENT.search(o.name)]
@@ -91,6 +93,8 @@ def onnx_programs(path: str, input_shape: Any, max_seq_len: int, trace_position:
         raise NpucError("NPUC-E0124", f"--max_seq_len needs a prefill of at least one token; --input_shape gives "
                         f"{ids!r} the shape {list(shapes[ids])}", "bind the sequence length to 1 or more",
                         exit_code=EXIT_USAGE)
+    if check_room is not None:
+        check_room(length)
 
     batch_dim = dims[0] if dims is not None and isinstance(dims[0], str) else None
     if batch > 1 and batch_dim is None:

@@ -113,23 +113,24 @@ class TargetAlignment(Pass):
         if new.producer is not None:
             g.rename(new, name)
 
-    def _rows(self, e: _Emit, node: Node, x: Value) -> Value:
+    def _rows(self, e: _Emit, node: Node, x: Value) -> tuple[Value, bool]:
         """x's rows as one matrix [1, lead x m, k] where its leading dims hold several unaligned
         row blocks (decode over several sequences: [b, 1, k]), so that they are padded once
-        together, [1, 16, k] rather than [b, 16, k], and read a weight once; else x."""
+        together, [1, 16, k] rather than [b, 16, k], and read a weight once; else x. And
+        whether it did."""
         m, k = x.type.shape[-2:] if x.type.rank >= 2 else (0, 0)
         lead = x.type.numel // max(m * k, 1)
         if x.type.rank < 3 or lead == 1 or m % self.tile == 0 or node.attrs.get("valid_rows") is not None:
-            return x
-        return e.op("reshape", [x], {"shape": (1, lead * m, k)}, label="rows")
+            return x, False
+        return e.op("reshape", [x], {"shape": (1, lead * m, k)}, label="rows"), True
 
     @staticmethod
-    def _unrows(e: _Emit, y: Value, x: Value, shape: tuple[int, ...]) -> Value:
-        """The product's rows cropped, and back in the node's output shape where _rows
-        made x one matrix."""
-        if x.producer is None or x.producer.op != "reshape" or not x.name.endswith("_rows"):
+    def _unrows(e: _Emit, y: Value, rows: int | None, shape: tuple[int, ...]) -> Value:
+        """The product's rows cropped, and back in the node's output shape where _rows made
+        x one matrix of `rows` rows (None: it did not)."""
+        if rows is None:
             return e.crop(y, shape)
-        return e.op("reshape", [e.crop(y, (1, x.type.shape[1], shape[-1]))], {"shape": shape}, label="unrows")
+        return e.op("reshape", [e.crop(y, (1, rows, shape[-1]))], {"shape": shape}, label="unrows")
 
     def _linear(self, g: Graph, node: Node) -> bool:
         x, w = node.inputs[0], node.inputs[1]
@@ -141,7 +142,7 @@ class TargetAlignment(Pass):
         if (_up(n, self.tile), _up(k, self.tile), _up(x.type.shape[-2], self.tile)) == (n, k, x.type.shape[-2]):
             return False
         e = _Emit(g, node)
-        x = self._rows(e, node, x)
+        x, flat = self._rows(e, node, x)
         m = x.type.shape[-2]
         n2, k2, m2 = _up(n, self.tile), _up(k, self.tile), _up(m, self.tile)
         xp = e.pad(x, {-2: m2, -1: k2})
@@ -150,7 +151,7 @@ class TargetAlignment(Pass):
         # The padded rows are never read: a kernel that honours valid_rows skips them.
         attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
         y = e.op("linear", ins, attrs, label="aligned")
-        self._replace(g, node, self._unrows(e, y, x, node.outputs[0].type.shape))
+        self._replace(g, node, self._unrows(e, y, m if flat else None, node.outputs[0].type.shape))
         return True
 
     def _qlinear(self, g: Graph, node: Node) -> bool:
@@ -163,12 +164,12 @@ class TargetAlignment(Pass):
         if _up(m, self.tile) == m:
             return False
         e = _Emit(g, node)
-        x = self._rows(e, node, x)
+        x, flat = self._rows(e, node, x)
         m = x.type.shape[-2]
         m2 = _up(m, self.tile)
         attrs = dict(node.attrs) | ({"valid_rows": node.attrs.get("valid_rows") or m} if m2 != m else {})
         y = e.op("qlinear", [e.pad(x, {-2: m2}), *node.inputs[1:]], attrs, label="aligned")
-        self._replace(g, node, self._unrows(e, y, x, node.outputs[0].type.shape))
+        self._replace(g, node, self._unrows(e, y, m if flat else None, node.outputs[0].type.shape))
         return True
 
     def _matmul(self, g: Graph, node: Node) -> bool:

@@ -140,8 +140,11 @@ def generate(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos:
 
 def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """encode/decode from the tokenizer files the compiler stored (needs transformers)."""
-    tok = load_tokenizer_object(s)
+    return tokenizer_functions(load_tokenizer_object(s))
 
+
+def tokenizer_functions(tok: Any) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """encode (with the special tokens) and decode (without them) of a transformers tokenizer."""
     def encode(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=True)["input_ids"])
 

@@ -20,9 +20,10 @@ query of its request can see them.
 A model compiled with `--decode_tokens C` decodes C tokens of each slot a step. A request
 admitted while other slots decode then skips the prefill: its prompt goes through the
 decode steps C tokens at a time (chunked prefill), so the slots decoding never wait for a
-whole prompt; a slot with fewer than C tokens to feed repeats its last one. The feeds are buffers allocated once, so a step
-allocates nothing beyond what the session's run does (nothing, for decode) and the tokens
-chosen. Greedy only: each request's tokens are the ones it gets decoded alone.
+whole prompt; a slot with fewer than C tokens to feed repeats its last one.
+
+The feeds are buffers allocated once, so a step allocates nothing beyond what the
+session's run does (nothing, for decode) and the tokens chosen. Greedy only: each request's tokens are the ones it gets decoded alone.
 """
 
 from __future__ import annotations

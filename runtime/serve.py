@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from npuc.errors import NpucError
+from npuc.runtime.generate import check_prompt, load_tokenizer_object, tokenizer_functions
 from npuc.runtime.scheduler import Event, Scheduler
 from npuc.runtime.session import Session
 
@@ -222,24 +223,22 @@ def _int(body: dict[str, Any], name: str, default: int) -> int:
     return v
 
 
-def _common(body: dict[str, Any], fields: frozenset[str]) -> tuple[bool, bool, int]:
+def _common(body: dict[str, Any], fields: frozenset[str]) -> tuple[bool, bool]:
+    """(stream, ignore_eos), once the fields every endpoint shares are checked."""
     unknown = sorted(set(body) - fields)
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}; npuc serve takes {sorted(fields)}", unknown[0])
-    for name in ("temperature",):
+    for name, greedy in (("temperature", 0), ("top_p", 1)):  # absent, or the greedy value
         v = body.get(name)
-        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or v != 0):
-            raise RequestError(f"'{name}' must be 0: npuc serve decodes greedily", name)
-    top_p = body.get("top_p")
-    if top_p is not None and (not isinstance(top_p, int | float) or isinstance(top_p, bool) or top_p != 1):
-        raise RequestError("'top_p' must be 1: npuc serve decodes greedily", "top_p")
+        if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or v != greedy):
+            raise RequestError(f"'{name}' must be {greedy}: npuc serve decodes greedily", name)
     if _int(body, "n", 1) != 1:
         raise RequestError("'n' must be 1", "n")
     stream, ignore = body.get("stream", False), body.get("ignore_eos", False)
     for name, v in (("stream", stream), ("ignore_eos", ignore)):
         if not isinstance(v, bool):
             raise RequestError(f"'{name}' must be true or false", name)
-    return stream, ignore, 0
+    return stream, ignore
 
 
 class App:
@@ -254,11 +253,8 @@ class App:
         self.decode: Callable[[list[int]], str] | None = None
         self.tokenizer: Any = None
         if "tokenizer" in self.session.om.section_names():
-            from npuc.runtime.generate import load_tokenizer_object
-
             self.tokenizer = load_tokenizer_object(self.session)
-            self.encode = lambda text: list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-            self.decode = lambda ids: str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            self.encode, self.decode = tokenizer_functions(self.tokenizer)
         self.draining = False
         self._next_id = 0
 
@@ -277,20 +273,15 @@ class App:
         return prompt
 
     def _check(self, ids: list[int], max_tokens: int) -> None:
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        vocab, cache = self.info.vocab, self.info.max_seq_len
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the model's vocabulary of {vocab}", "prompt")
-        if len(ids) >= cache:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the model caches {cache} (prompt and "
-                               "completion together)", "prompt")
+        try:
+            check_prompt(self.info, ids)  # generate's own refusals, as a 400
+        except NpucError as e:
+            raise RequestError(e.message, "prompt") from None
         if max_tokens < 1:
             raise RequestError(f"'max_tokens' must be at least 1, not {max_tokens}", "max_tokens")
 
     def parse_completion(self, body: dict[str, Any]) -> Parsed:
-        stream, ignore, _ = _common(body, COMPLETION_FIELDS)
+        stream, ignore = _common(body, COMPLETION_FIELDS)
         if "prompt" not in body:
             raise RequestError("'prompt' is required", "prompt")
         ids = self._prompt_ids(body["prompt"])
@@ -299,7 +290,7 @@ class App:
         return Parsed(ids, max_tokens, stream, ignore, str(body.get("model") or self.model_name))
 
     def parse_chat(self, body: dict[str, Any]) -> Parsed:
-        stream, ignore, _ = _common(body, CHAT_FIELDS)
+        stream, ignore = _common(body, CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
