@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from npuc.errors import EXIT_COMPILE, EXIT_IO, EXIT_USAGE, NpucError
-from npuc.ir import DType
+from npuc.ir import DType, Graph
 
 BUILTIN_DIR = Path(__file__).parent / "target_files"
 DEFAULT_TARGET = "npu"
@@ -119,6 +120,15 @@ def check_fits(target: Target, weights: int, arena: int, state: int = 0) -> None
                         f"state {state:,}) but target {target.name!r} has {target.capacity_bytes:,}",
                         "use a smaller --input_shape, a lower precision (--precision_mode), or a bigger target",
                         exit_code=EXIT_COMPILE)
+
+
+def dtypes_used(graphs: Sequence[Graph]) -> dict[str, set[str]]:
+    """dtype name -> the values of that dtype, for the target's dtype check."""
+    used: dict[str, set[str]] = {}
+    for g in graphs:
+        for v in g.values():
+            used.setdefault(v.type.dtype.value, set()).add(v.name)
+    return used
 
 
 def check_dtypes(target: Target, used: dict[str, set[str]]) -> None:

@@ -129,6 +129,13 @@ _MODEL_OPTIONS = [
                  help="With --max_seq_len: the tokens of each slot a decode step runs (default 1). C > 1 lets a "
                       "new request's prompt go through the decode steps beside the slots decoding (chunked "
                       "prefill, `npuc serve`)."),
+    click.option("--tp", "tp", type=int, default=None, metavar="N",
+                 help="Tensor parallel over N ranks: one .om per rank (<output>.rankR.om) and <output>.om naming "
+                      "them; run with `torchrun --nproc-per-node N -m npuc ...` or `npuc generate --tp N` "
+                      "(docs/parallel.md)."),
+    click.option("--ep", "ep", type=int, default=None, metavar="N",
+                 help="With --tp N: --ep N splits MoE experts across the ranks (expert parallel); 1 (the "
+                      "default) splits each expert's FFN instead."),
     click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16",
                  help="Weight-only quantization: int8 per output channel (w8a16) or int4 per group (w4a16); "
                       "quantized products take 16-bit activations (docs/quantization.md)."),
@@ -219,7 +226,8 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
         path = compile_model(source, output=output, debug=opts["debug"], dump_ir_after=opts["dump_ir_after"],
                              dump_dir=opts["dump_dir"], time_passes=opts["time_passes"],
                              fusion_report=opts["fusion_report"], depfile=opts["depfile"],
-                             extra_deps=[opts["config"]] if opts["config"] else [], progress=progress, **common)
+                             extra_deps=[opts["config"]] if opts["config"] else [], progress=progress,
+                             tp=opts["tp"], ep=opts["ep"], **common)
     finally:
         progress.done()
     click.echo(f"wrote {path}")
@@ -286,4 +294,7 @@ def _mode_json(opts: dict[str, Any]) -> None:
 def check_cmd(model: str, json_out: str | None, diagnostics_format: str, debug: bool, **common: Any) -> None:
     """Precheck MODEL: list every problem a compile would hit, without writing a .om."""
     setup("warning", diagnostics_format)
+    from npuc.compiler.sharded import check_parallel
+
+    check_parallel(common.pop("tp"), common.pop("ep"))  # the split itself is checked by a compile
     _precheck(model, json_out, common, diagnostics_format)

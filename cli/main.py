@@ -10,6 +10,7 @@
     npuc validate build/model.om             # checksums, bounds, memory plan
     npuc export-onnx build/model.om model.onnx   # --program decode, --weights external
     npuc check MODEL --input_shape ...       # precheck: every problem, no .om
+    npuc plan config.json --input_shape ... --tp 8 --ep 8   # each rank's bytes, no weights needed
     npuc ops                                 # the supported operators (docs/ops.md)
     npuc verify build/model.om --against MODEL [--per-layer]
 
@@ -32,6 +33,7 @@ import npuc
 from npuc.cli.compile_cmd import check_cmd, compile_cmd
 from npuc.cli.diagnostics import handle_errors, report, setup
 from npuc.cli.ops_cmd import ops_cmd
+from npuc.cli.plan_cmd import plan_cmd
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 
 
@@ -68,6 +70,7 @@ def main() -> None:
 
 main.add_command(compile_cmd)
 main.add_command(check_cmd)
+main.add_command(plan_cmd)
 main.add_command(ops_cmd)
 
 
@@ -143,17 +146,23 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program:
     import numpy as np
 
     from npuc.ir import DType
-    from npuc.runtime import Session
+    from npuc.runtime import Session, parallel
 
+    parallel.init_from_env(device)  # under torchrun: each rank runs its part of a --tp model
     sess = Session.load(om, device=device)
     feeds = {}
-    for name, path in _parse_input_flag(inputs).items():
-        try:
-            feeds[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise NpucError("NPUC-E0401", f"cannot read input {name!r} from {path!r}: {e}",
-                            "inputs are .npy files written by numpy.save", exit_code=EXIT_IO) from None
-    outs = sess.run(feeds, program)
+    leader = parallel.is_leader()
+    if leader:  # rank 0 reads the inputs and hands them to the others
+        for name, path in _parse_input_flag(inputs).items():
+            try:
+                feeds[name] = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise NpucError("NPUC-E0401", f"cannot read input {name!r} from {path!r}: {e}",
+                                "inputs are .npy files written by numpy.save", exit_code=EXIT_IO) from None
+    outs = sess.run(parallel.share(feeds), program)
+    parallel.finish()
+    if not leader:
+        return
     os.makedirs(output_dir, exist_ok=True)
     for name, t in outs.items():
         fname = "".join(c if c.isalnum() or c in "._-" else "_" for c in name) + ".npy"
@@ -191,25 +200,35 @@ def _parse_ids(text: str) -> list[int]:
               show_default=True)
 @click.option("--ignore-eos", "--ignore_eos", "ignore_eos", is_flag=True, help="Do not stop at end-of-sequence.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Run a model compiled with --tp N as N local ranks (what torchrun --nproc-per-node N does).")
 @click.option("--debug", is_flag=True)
 @handle_errors
 def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prompts_file: str | None,
-             max_new_tokens: int, ignore_eos: bool, device: str, debug: bool) -> None:
+             max_new_tokens: int, ignore_eos: bool, device: str, tp: int | None, debug: bool) -> None:
     """Greedy decoding with a .om compiled with --max_seq_len. One prompt: prints the new
     token ids (and the text, for a text prompt). Several (repeated flags, or --prompts):
     decodes them together over the model's slots (--input_shape input_ids:B,S compiles B)
     and prints one JSON line each, in order: {"index", "token_ids"[, "text"]}."""
-    from npuc.runtime import Session
+    from npuc.runtime import Session, parallel
     from npuc.runtime.generate import load_tokenizer
     from npuc.runtime.scheduler import generate_many
 
-    items = _prompt_items(prompt_ids, prompt, prompts_file)  # usage errors before the load
+    if tp is not None and tp > 1 and "WORLD_SIZE" not in os.environ:
+        sys.exit(parallel.launch(tp, _without_tp(sys.argv[1:])))
+    parallel.init_from_env(device)
+    leader = parallel.is_leader()
+    items = _prompt_items(prompt_ids, prompt, prompts_file) if leader else []  # usage errors before the load
     sess = Session.load(om, device=device)
     encode = decode = None
-    if any(isinstance(p, str) for p in items):
+    if leader and any(isinstance(p, str) for p in items):
         encode, decode = load_tokenizer(sess)
     ids = [encode(p) if isinstance(p, str) and encode is not None else p for p in items]
+    ids = parallel.share(ids)  # rank 0's prompts; every rank runs the same steps
     outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos)
+    parallel.finish()
+    if not leader:
+        return
     if len(items) == 1 and prompts_file is None:
         click.echo(" ".join(map(str, outs[0])))
         if decode is not None:
@@ -244,6 +263,19 @@ def serve(om: str, host: str, port: int, max_queue: int, device: str, debug: boo
     from npuc.runtime.serve import run
 
     run(om, host, port, max_queue, device)
+
+
+def _without_tp(argv: Sequence[str]) -> list[str]:
+    """`argv` without its --tp N / --tp=N (the ranks are launched with the rest)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--tp":
+            skip = True
+        elif not a.startswith("--tp="):
+            out.append(a)
+    return out
 
 
 def _prompt_items(prompt_ids: Sequence[str], prompts: Sequence[str], path: str | None) -> list[list[int] | str]:
@@ -286,18 +318,20 @@ def _prompt_items(prompt_ids: Sequence[str], prompts: Sequence[str], path: str |
 @click.option("--summary", is_flag=True, help="Only the header and op counts.")
 @click.option("--json", "as_json", is_flag=True,
               help="The section table and the whole model definition as JSON (ignores --summary).")
+@click.option("--rank", type=int, default=None, metavar="R",
+              help="A tensor-parallel model (--tp): list rank R's program (default 0).")
 @click.option("--debug", is_flag=True)
 @handle_errors
-def dump(om: str, summary: bool, as_json: bool, debug: bool) -> None:
+def dump(om: str, summary: bool, as_json: bool, rank: int | None, debug: bool) -> None:
     """Print the compiled program: ops, shapes and planned offsets."""
     if as_json:
         from npuc.runtime.om_tools import dump_json
 
-        click.echo(dump_json(om))
+        click.echo(dump_json(om, rank))
         return
     from npuc.runtime.listing import render_listing
 
-    click.echo(render_listing(om, summary=summary))
+    click.echo(render_listing(om, summary=summary, rank=rank))
 
 
 @main.command()

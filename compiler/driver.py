@@ -22,9 +22,9 @@ from npuc.backend.lower import Lowered, lower, weight_chunks
 from npuc.backend.memory_plan import align_up
 from npuc.backend.om_format import WEIGHTS_ALIGN, Chunk, FileRange, FileSequenceHash, OmWriter
 from npuc.backend.om_sections import METADATA, split_model
-from npuc.backend.targets import Target, check_dtypes, check_fits, get_target
+from npuc.backend.targets import Target, check_dtypes, check_fits, dtypes_used, get_target
 from npuc.backend.writer import WEIGHTS
-from npuc.compiler import instrument
+from npuc.compiler import instrument, sharded
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.shapes import resolve_input_shapes
@@ -601,6 +601,9 @@ def compile_model(
     extra_deps: Sequence[str] = (),
     progress: Progress | None = None,
     trust_pickle: bool = False,
+    tp: int | None = None,
+    ep: int | None = None,
+    plan: list[sharded.RankPlan] | None = None,
 ) -> str:
     """Compile `model` to `<output>.om` and return that path.
 
@@ -624,6 +627,10 @@ def compile_model(
     `depfile` gets Make rules naming every file read (plus `extra_deps`, e.g. a config
     file); `progress` hears of each stage. `trust_pickle` loads a `.pt2` whose payload
     needs pickle, which runs code from the file (refused by default: compiler/pt2_safety.py).
+    `tp` (> 1) writes one `.om` per rank of a tensor-parallel split and `<output>.om` as
+    their manifest; `ep` (1 or `tp`) splits MoE experts across the ranks (compiler/sharded.py).
+    `plan` (a list) receives each rank's sizes and nothing is written (`npuc plan`: a config
+    alone, `config.json`, is enough).
     Every option is checked before the model is read."""
     progress = progress or NullProgress()
     target = get_target(soc_version)
@@ -635,6 +642,7 @@ def compile_model(
     exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
     quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict)) if quant else None
     input_format = check_input_format(input_format)
+    world, expert_parallel = sharded.check_parallel(tp, ep)
     passes = pipelines(mode, keep, target, max_seq_len, prefill_logits=prefill_logits,
                        quantize=quantize)[0]  # for --dump-ir-after
     dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
@@ -663,7 +671,8 @@ def compile_model(
                      out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
                      quant_exclude=exclude or None,
-                     input_format=None if input_format == "ND" else input_format)
+                     input_format=None if input_format == "ND" else input_format,
+                     tp=world if world > 1 else None, ep=(world if expert_parallel else 1) if world > 1 else None)
     extra: dict[str, bytes] = {}
     if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
@@ -674,6 +683,12 @@ def compile_model(
         meta.update(gen_meta)
         extra, tok_files = _tokenizer_section(model)
         extra_deps = [*extra_deps, *read, *tok_files]
+    tails: list[list[Pass]] = []
+    if world > 1 or plan is not None:  # the passes after fusion run once per rank, after the split
+        (passes, tail), (decode_passes, decode_tail) = (sharded.split_pipeline(passes),
+                                                        sharded.split_pipeline(decode_passes)
+                                                        if decode_graph is not None else ([], []))
+        tails = [tail, decode_tail] if decode_graph is not None else [tail]
     progress.stage("optimise", len(passes))
     run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper, on_pass=progress.advance)
     graphs = [run.graph]
@@ -689,6 +704,20 @@ def compile_model(
         print(instrument.format_timings(run), file=sys.stderr)
     if report_path is not None:
         instrument.write_fusion_report(report_path, instrument.fusion_report(run))
+    if plan is not None:
+        plan.extend(sharded.compile_ranks(graphs, tails, world, expert_parallel, target, meta, out_path, progress,
+                                          None, debug=debug))
+        return out_path
+    if world > 1:
+        sharded.compile_ranks(graphs, tails, world, expert_parallel, target, meta, out_path, progress,
+                              lambda low, path: _write(low, path, extra, source.files, progress.advance),
+                              debug=debug)
+        if depfile_path is not None:
+            write_depfile(depfile_path, out_path, [*source.files, *([target.path] if target.path else []),
+                                                   *extra_deps])
+        progress.done()
+        log.info("wrote %s", out_path)
+        return out_path
     check_dtypes(target, dtypes_used(graphs))
     progress.stage("plan memory")
     low = lower(graphs, target, meta)
@@ -776,15 +805,6 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
                              quantize, quant_activations=target.quant_activations,
                              decode_check=DecodeCheck(role, probe))
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
-
-
-def dtypes_used(graphs: Sequence[Graph]) -> dict[str, set[str]]:
-    """dtype name -> the values of that dtype, for the target's dtype check."""
-    used: dict[str, set[str]] = {}
-    for g in graphs:
-        for v in g.values():
-            used.setdefault(v.type.dtype.value, set()).add(v.name)
-    return used
 
 
 def check_max_seq_len(max_seq_len: Any) -> None:

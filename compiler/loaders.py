@@ -221,6 +221,8 @@ def load_source(model: Any, *, trust_pickle: bool = False) -> LoadedModel:
                             "a Hugging Face checkpoint folder holds config.json and *.safetensors",
                             exit_code=EXIT_USAGE)
         return load_hf_dir(path)
+    if path.suffix == ".json":  # a config alone: a plan's shapes and bytes, no weights (npuc plan)
+        return load_hf_dir(path.parent, config_file=path)
     if path.suffix == ".pt2":
         ep = load_pt2(str(path), trust_pickle=trust_pickle)
         loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep), program=ep)
@@ -284,16 +286,36 @@ def _has_experts_choice(transformers: Any) -> bool:
     return hasattr(transformers.PreTrainedModel, "get_correct_experts_implementation")
 
 
-def load_hf_dir(path: Path) -> LoadedModel:
+class AbsentSource:
+    """A weight of a config-only model (`npuc plan config.json`): its shape and dtype are
+    known, its bytes are not, and nothing may ask for them."""
+
+    in_memory = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def load(self) -> torch.Tensor:
+        raise NpucError("NPUC-E0305", f"{self.name!r} has no data: the model is a config alone",
+                        "a config.json is for `npuc plan`; compile a checkpoint folder", exit_code=EXIT_USAGE)
+
+    def describe(self) -> str:
+        return f"{self.name} (config only)"
+
+
+def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
+    """A checkpoint folder, or with `config_file` that config alone (every weight an
+    AbsentSource: shapes and bytes for a plan, nothing to write)."""
     try:
         import transformers
     except ImportError:
         raise NpucError("NPUC-E0104", "reading a Hugging Face checkpoint needs transformers",
                         "pip install 'npuc[hf]'", exit_code=EXIT_USAGE) from None
+    where = config_file if config_file is not None else path / "config.json"
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(config_file or path), local_files_only=True)
     except Exception as e:
-        raise NpucError("NPUC-E0407", f"cannot read {str(path / 'config.json')!r}: {e}",
+        raise NpucError("NPUC-E0407", f"cannot read {str(where)!r}: {e}",
                         "the folder should come from save_pretrained", exit_code=EXIT_IO) from None
     # A quantized checkpoint (GPTQ, AWQ) is built as its float model, whose linears' weights
     # are then found as packed tensors (compiler/quant_import.py): transformers could only
@@ -310,8 +332,8 @@ def load_hf_dir(path: Path) -> LoadedModel:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    index = _safetensors_index(path)
-    if not index:
+    index = _safetensors_index(path) if config_file is None else {}
+    if not index and config_file is None:
         raise NpucError("NPUC-E0305", f"{str(path)!r} has no *.safetensors weights",
                         "save the model with save_pretrained(..., safe_serialization=True)", exit_code=EXIT_IO)
     build: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
@@ -351,7 +373,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
         params[id(p)] = p
     sources: dict[str, ConstSource] = {}
     missing = []
-    mapping = _checkpoint_conversions(transformers, module, index)
+    mapping = _checkpoint_conversions(transformers, module, index) if index else None
     alias, converted = mapping if mapping is not None else ({}, {})
 
     def stored(name: str) -> str | None:
@@ -377,6 +399,10 @@ def load_hf_dir(path: Path) -> LoadedModel:
 
     for pid, names in owners.items():
         p = params[pid]
+        if config_file is not None:
+            for n in names:
+                sources[n] = AbsentSource(names[0])
+            continue
         src = next((s for s in (source(n, p) for n in names) if s is not None), None)
         if src is None:
             src = _experts_source(names[0], tuple(p.shape), p.dtype, index, stored)
@@ -397,7 +423,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
         for pname, p in list(mod._parameters.items()):
             if p is not None:
                 mod._parameters[pname] = fresh[id(p)]
-    files = [str(path / "config.json")] + sorted({f for f, _ in index.values()})
+    files = [str(where)] + sorted({f for f, _ in index.values()})
     dtypes = {n: torch.int64 for n in _INT_INPUTS}
     return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from npuc.backend.lower import lower
-from npuc.backend.targets import check_dtypes, check_fits, get_target
+from npuc.backend.targets import check_dtypes, check_fits, dtypes_used, get_target
 from npuc.compiler import instrument
 from npuc.compiler.driver import (
     _decode_inputs,
@@ -26,7 +26,6 @@ from npuc.compiler.driver import (
     check_input_layout,
     check_max_seq_len,
     check_prefill_logits,
-    dtypes_used,
     pipelines,
     read_keep_dtype,
     select_outputs,

@@ -512,16 +512,20 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, a: A) -> tuple[to
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 gate_up: torch.Tensor | Callable[[int], torch.Tensor],
-                down: torch.Tensor | Callable[[int], torch.Tensor], experts: int, inter: int) -> torch.Tensor:
+                down: torch.Tensor | Callable[[int], torch.Tensor], experts: int, inter: int, first: int = 0
+                ) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ swiglu(gate_up[e] @ x[t]) with e = idx[t, j], grouped by
     expert: the token-slots are sorted by expert id and each expert runs one GEMM over its
     contiguous rows (a loop over the experts hit, never over tokens). gate_up and down are
     stacked [E, ...] weights, or a function of the expert id (a quantized expert, unpacked
     only when a token picks it)."""
     t, k = idx.shape
-    flat = idx.reshape(-1)
+    flat = idx.reshape(-1) - first
+    # Expert parallel: experts first..first+experts-1 live here; a slot picking another rank's
+    # expert sorts last (id `experts`) and keeps a zero row, added in by the all_reduce.
+    flat = torch.where((flat >= 0) & (flat < experts), flat, experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts).tolist()
+    counts = torch.bincount(flat, minlength=experts + 1).tolist()[:experts]
     rows = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -533,22 +537,26 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
         dn = down(e) if callable(down) else down[e]
         gate, up = F.linear(x[slots // k], gu).split(inter, dim=1)
         rows[slots] = F.linear(F.silu(gate) * up, dn)
-    rows *= weights.reshape(-1, 1).to(x.dtype)
-    return rows.view(t, k, -1).sum(dim=1)  # each token's k slots, in top-k order
+    if x.dtype == torch.float32:
+        rows *= weights.reshape(-1, 1)
+        return rows.view(t, k, -1).sum(dim=1)  # each token's k slots, in top-k order
+    # A half-precision model weighs and sums its slots in f32 and rounds the sum once.
+    wide = rows.float() * weights.reshape(-1, 1).float()
+    return wide.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
 def _fused_moe_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     x, router, gate_up, down = xs[:4]
     bias = xs[4] if len(xs) > 4 else None
     idx, weights = moe_route(F.linear(x.float(), router.float()), bias, a)
-    return moe_experts(x, idx, weights, gate_up, down, gate_up.shape[0], down.shape[2])
+    return moe_experts(x, idx, weights, gate_up, down, gate_up.shape[0], down.shape[2], a["expert_offset"])
 
 
 def _fused_moe_flops(ins: T, outs: T, attrs: A) -> int:
     # Only the k selected experts of each token: a dense count over all E would overstate it E/k-fold.
     (t, h), e, i, k = ins[0].shape, ins[1].shape[0], ins[3].shape[2], attrs["top_k"]
     router = 2 * t * e * h
-    experts = t * k * (2 * h * 2 * i + 2 * i * h)
+    experts = t * k * (2 * h * 2 * i + 2 * i * h) * ins[2].shape[0] // e  # a rank's share of the picks
     return router + experts + t * k * 5 * i + 2 * t * k * h  # + SwiGLU, + weighted combine
 
 
@@ -556,29 +564,31 @@ def _fused_moe_traffic(ins: T, outs: T, attrs: A) -> int:
     """Activations, router and bias, and the weights of the experts a run can select:
     at most min(E, T*k) of them (all E only once the tokens' picks could cover them)."""
     x, router, gate_up, down = ins[:4]
-    e, t = router.shape[0], x.shape[0]
-    experts = min(e, t * attrs["top_k"])
-    return sum(v.nbytes for v in (x, router, *ins[4:], *outs)) + (gate_up.nbytes + down.nbytes) * experts // e
+    t, here = x.shape[0], gate_up.shape[0]
+    experts = min(here, t * attrs["top_k"])
+    return sum(v.nbytes for v in (x, router, *ins[4:], *outs)) + (gate_up.nbytes + down.nbytes) * experts // here
 
 
 @op("fused_moe", ("x", "router_weight", "gate_up", "down", "correction_bias?"),
     {"top_k": Attr("int"), "n_group": Attr("int", 1), "topk_group": Attr("int", 1),
      "scoring": Attr("str", "sigmoid"), "group_score": Attr("str", "top2_sum"), "norm_topk": Attr("bool", False),
-     "norm_eps": Attr("float", MOE_NORM_EPS), "routed_scale": Attr("float", 1.0), "activation": Attr("str", "silu")},
+     "norm_eps": Attr("float", MOE_NORM_EPS), "routed_scale": Attr("float", 1.0), "activation": Attr("str", "silu"),
+     "expert_offset": Attr("int", 0)},
     kernel=_fused_moe_kernel, flops=_fused_moe_flops, unit="cube", traffic=_fused_moe_traffic,
     doc="DeepSeek's routed experts: x [T,H], router_weight [E,H], gate_up [E,2I,H], down [E,H,I], "
         "correction_bias [E]. Scores sigmoid (V3) or softmax (V2) of x @ router^T in f32; with n_group > "
         "topk_group only each token's topk_group groups (ranked by top2_sum or max of scores + bias) compete; "
         "the top_k experts by scores + bias are weighed by their scores (norm_topk: over their sum + norm_eps) "
         "times routed_scale; out = sum of weight * down[e] @ (silu(gate) * up) over a token's k experts. "
-        "FLOPs count the k selected experts only, bytes at most min(E, T*k) experts' weights")
+        "FLOPs count the k selected experts only, bytes at most min(E, T*k) experts' weights. Expert parallel: "
+        "gate_up and down hold experts expert_offset.. only (the router all E); the others' slots add zero")
 def _fused_moe(ins: T, attrs: A) -> list[TensorType]:
     x, router, gate_up, down = ins[:4]
     if x.rank != 2 or router.rank != 2 or gate_up.rank != 3 or down.rank != 3:
         raise ShapeError("fused_moe takes x [T,H], router [E,H], gate_up [E,2I,H], down [E,H,I]")
-    h, e, i = x.shape[1], router.shape[0], down.shape[2]
-    if router.shape != (e, h) or gate_up.shape != (e, 2 * i, h) or down.shape != (e, h, i) \
-            or (len(ins) > 4 and ins[4].shape != (e,)):
+    h, e, i, here = x.shape[1], router.shape[0], down.shape[2], gate_up.shape[0]
+    if router.shape != (e, h) or gate_up.shape != (here, 2 * i, h) or down.shape != (here, h, i) \
+            or (len(ins) > 4 and ins[4].shape != (e,)) or not 0 <= attrs["expert_offset"] <= e - here:
         raise ShapeError(f"fused_moe x {x}, router {router}, gate_up {gate_up}, down {down} do not fit")
     if not all(t.dtype.is_float for t in ins) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise ShapeError(f"fused_moe operands {[str(t) for t in ins]} are not floats of x's dtype")

@@ -327,6 +327,35 @@ class Graph:
     __hash__ = None  # type: ignore[assignment]
 
 
+def clone_graph(g: Graph) -> Graph:
+    """A copy of `g` with the same names, types, ops and attributes, whose constants share
+    their sources (nothing is loaded): one optimised graph specialised several ways (the
+    ranks of a tensor-parallel compile) without building it again."""
+    out = Graph(g.name)
+    new: dict[int, Value] = {}
+    for v in g.inputs:
+        new[id(v)] = out.add_input(v.name, v.type)
+    for name, v in g.states.items():
+        new[id(v)] = out.add_state(name, v.type)
+    for v in g.constants.values():
+        assert v.const is not None
+        c = out._new_value(v.name, v.type)
+        c.const = v.const
+        out.constants[c.name] = c
+        new[id(v)] = c
+    for n in g.nodes:
+        m = out.add_node(n.op, [new[id(v)] for v in n.inputs], [o.type for o in n.outputs], n.attrs,
+                         names=[o.name for o in n.outputs])
+        for o, o2 in zip(n.outputs, m.outputs, strict=True):
+            if o2.name != o.name:
+                raise InternalError(f"cloning {g.name}: {o.name!r} came out as {o2.name!r}")
+            new[id(o)] = o2
+    out.outputs = [new[id(v)] for v in g.outputs]
+    out.state_updates = {k: new[id(v)] for k, v in g.state_updates.items()}
+    out._counter = g._counter
+    return out
+
+
 def distinct_outputs(g: Graph, outs: list[Value]) -> list[Value]:
     """Give every graph output its own producing node (an identity reshape where an
     output is an input, a constant, or another output), so each can carry its own name."""

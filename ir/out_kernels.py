@@ -523,13 +523,16 @@ def _moe(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, types
     torch.arange(e + 1, out=w["experts"])
     torch.searchsorted(w["ids_sorted"], w["experts"], out=w["starts"])
     bounds = w["starts"].tolist()
-    for ex in range(e):
+    first, here = a["expert_offset"], types[2].shape[0]
+    if here < e:  # expert parallel: other ranks' experts leave their slots' rows zero
+        w["rows"].zero_()
+    for ex in range(first, first + here):
         lo, hi = bounds[ex], bounds[ex + 1]
         if lo == hi:
             continue
         xe, gu, act, y = w["x"][lo:hi], w["gate_up"][lo:hi], w["act"][lo:hi], w["y"][lo:hi]
         torch.index_select(x, 0, w["tokens"][lo:hi], out=xe)
-        w_gu, w_dn = expert(ex)
+        w_gu, w_dn = expert(ex - first)
         torch.mm(xe, w_gu.t(), out=gu)
         torch.ops.aten.silu.out(gu[:, :inter], out=act)
         act.mul_(gu[:, inter:])

@@ -181,7 +181,7 @@ def _qmoe_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     idx, weights = moe_route(F.linear(x.float(), router.float()), bias, a)
     return moe_experts(x, idx, weights, lambda e: dequantize_ref(gq[e], gs[e], gz[e], bits, g, x.dtype),
                        lambda e: dequantize_ref(dq[e], ds[e], dz[e], bits, dg, x.dtype), gq.shape[0],
-                       dq.shape[2] * (2 if bits == 4 else 1))
+                       dq.shape[2] * (2 if bits == 4 else 1), a["expert_offset"])
 
 
 def qmoe_dequantized(ins: T, attrs: A) -> list[TensorType]:

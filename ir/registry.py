@@ -158,7 +158,8 @@ def op(
 
 
 def get_op(name: str) -> OpDef:
-    from npuc.ir import fused_ops as _fused  # noqa: F401  (declarations register on import)
+    from npuc.ir import collectives as _coll  # noqa: F401  (declarations register on import)
+    from npuc.ir import fused_ops as _fused  # noqa: F401
     from npuc.ir import ops as _ops  # noqa: F401
     from npuc.ir import out_kernels as _out  # noqa: F401
     from npuc.ir import quant as _quant  # noqa: F401
@@ -170,6 +171,7 @@ def get_op(name: str) -> OpDef:
 
 
 def all_ops() -> dict[str, OpDef]:
+    from npuc.ir import collectives as _coll  # noqa: F401
     from npuc.ir import fused_ops as _fused  # noqa: F401
     from npuc.ir import ops as _ops  # noqa: F401
     from npuc.ir import out_kernels as _out  # noqa: F401

@@ -43,8 +43,10 @@ Left alone (with a reason): interior values read outside the subgraph, a masking
 is not DeepSeek's (-inf for sigmoid, 0 for softmax), softmax scores gathered past a mask
 (fused_moe would weigh a masked pick by 0), a scale or normaliser that is not one scalar,
 scatter constants other than zeros and ones, groups or token-slots laid out otherwise,
-shapes that do not fit `fused_moe`'s rule, and non-f32 routing (a half-precision model's
-casts around the router are not matched).
+and shapes that do not fit `fused_moe`'s rule. A half-precision (bf16, f16) model is matched
+with its casts: the router scores in f32 (`linear(cast[f32](%h), @router)`) and the slots
+are weighed and summed in f32 (`mul(cast[f32](%y), %w)`), as fused_moe's kernel does too;
+the fused value is cast back to f32 where the model's sum was f32.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _last(n: Node) -> bool:
 # -- the pattern, from the router to the combine -------------------------------------------
 # Named sub-patterns reached twice (the scores, the choice, the selection) must be the same value.
 
-_LOGITS = op("linear", opt("reshape", var("h")), const("router"), bind="logits")
+_LOGITS = op("linear", opt("cast", opt("reshape", var("h"))), const("router"), bind="logits")  # cast: a bf16 model
 _SCORES = any_of(op("sigmoid", _LOGITS, bind="sigmoid"), op("softmax", _LOGITS, bind="softmax", where=_last))
 _CHOICE = any_of(op("add", _SCORES, const("bias"), bind="choice"), _SCORES)
 _GROUPED = op("reshape", _CHOICE, bind="grouped")
@@ -114,8 +116,9 @@ _TOKENS = op("reshape", op("expand", opt("reshape", var("h")), bind="repeat"))  
 _GATE_UP = op("reshape", op("matmul", _expert_weights("gate_up"), _TOKENS))
 _ACT = op("swiglu", op("split", _GATE_UP, output=0, bind="gate", where=_last), var("up"))
 _DOWN = op("reshape", op("matmul", _expert_weights("down"), op("reshape", _ACT)))
-MOE: Pat = op("reduce_sum", op("reshape", op("mul", _DOWN, _WEIGHTS), bind="slots"),
-              axes=_axes(1, -2), keepdim=False)
+# A half-precision model weighs and sums the slots in f32: mul(cast[f32](%y), %w).
+MOE: Pat = op("reduce_sum", op("reshape", op("mul", any_of(op("cast", _DOWN, bind="widened"), _DOWN), _WEIGHTS),
+                               bind="slots"), axes=_axes(1, -2), keepdim=False)
 
 
 # -- the check -------------------------------------------------------------------------------
@@ -189,13 +192,18 @@ def _fusable(g: Graph, m: Match) -> dict[str, Any] | str:
     if _shape(m, "ids") != ids or _shape(m, "w_slots") != (t * k, 1) or _shape(m, "slots") != (t, k, hidden) \
             or tuple(split.attrs["sizes"]) != (inter, inter):
         return "the token-slots are not laid out token by token"
-    if any(v.type.dtype != DType.f32 for v in (m["h"], m["router"], m["gate_up"], m["down"])):
-        return "the router and experts are not in f32"
+    dt = m["h"].type.dtype
+    if dt not in (DType.f32, DType.bf16, DType.f16) or m["gate_up"].type.dtype != dt or m["down"].type.dtype != dt \
+            or not m["router"].type.dtype.is_float or _shape(m, "logits") and m.node("logits").outputs[0].type.dtype \
+            != DType.f32:
+        return "the experts are not in the tokens' float dtype, or the router does not score in f32"
+    if dt != DType.f32 and ("widened" not in m.values or m["widened"].type.dtype != DType.f32):
+        return "a half-precision model's slots are not weighed in f32"
     attrs = _routing(m, t, e)
     if isinstance(attrs, str):
         return attrs
     try:
-        get_op("fused_moe").infer_types([TensorType((t, hidden), DType.f32), m["router"].type.with_shape((e, hidden)),
+        get_op("fused_moe").infer_types([TensorType((t, hidden), dt), m["router"].type.with_shape((e, hidden)),
                                          *(v.type for v in _weights(m)[1:])], attrs)
     except ShapeError as err:
         return str(err)
@@ -225,7 +233,10 @@ def _rewrite(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
     router, *experts = _weights(m)
     if _router_shape(m) != router.type.shape:  # an ONNX import's [hidden, experts]: folded back later
         router = b.op("transpose", [router], {"perm": (1, 0)})
-    return b.op("fused_moe", [x, router, *experts], attrs)
+    out = b.op("fused_moe", [x, router, *experts], attrs)
+    if out.type.dtype != DType.f32:  # the model's f32 sum, rounded to x's dtype by the kernel as by its cast
+        out = b.op("cast", [out], {"dtype": DType.f32})
+    return out
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ hands back (none with `copy_outputs=False`).
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,18 +30,35 @@ class RunAllocations:
     bytes: int  # bytes they asked for
     net_bytes: int  # still held when the run returned
     output_bytes: int  # what the run returned (copies of the outputs)
+    collective_count: int = 0  # allocations inside torch.distributed's collectives (not npuc's)
+    collective_bytes: int = 0
 
 
 def profile_run(s: Session, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True
                 ) -> RunAllocations:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         outs = s.run(inputs, program, copy_outputs=copy_outputs)
-    events = prof.events()
+    every = prof.events()
+    main_thread = Counter(e.thread for e in every).most_common(1)[0][0] if len(every) else 0
+    # A tensor-parallel program's collectives (torch.distributed: gloo, NCCL) allocate inside
+    # the library, under a c10d:: op or on its own threads: theirs, counted apart.
+    events = [e for e in every if e.thread == main_thread and not _in_collective(e)]
+    lib = [e for e in every if e.self_cpu_memory_usage > 0 and (e.thread != main_thread or _in_collective(e))]
     return RunAllocations(
         count=sum(1 for e in events if e.self_cpu_memory_usage > 0),
         bytes=sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage > 0),
         net_bytes=sum(e.self_cpu_memory_usage for e in events),
-        output_bytes=sum(t.numel() * t.element_size() for t in outs.values()) if copy_outputs else 0)
+        output_bytes=sum(t.numel() * t.element_size() for t in outs.values()) if copy_outputs else 0,
+        collective_count=len(lib), collective_bytes=sum(e.self_cpu_memory_usage for e in lib))
+
+
+def _in_collective(e: Any) -> bool:
+    p = e
+    while p is not None:
+        if p.name.startswith("c10d::"):
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def _example_inputs(s: Session, program: str | None) -> dict[str, torch.Tensor]:

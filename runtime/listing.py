@@ -22,13 +22,29 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
-def render_listing(path: str, summary: bool = False) -> str:
-    s = Session.load(path)
+def render_listing(path: str, summary: bool = False, rank: int | None = None) -> str:
+    """The listing of `path`; of a tensor-parallel manifest, rank `rank`'s file (0 by default)
+    under a line naming every rank's."""
+    from npuc.backend.manifest import read_manifest
+    from npuc.backend.om_format import OmFile
+
+    with OmFile.open(path, verify=False) as om:
+        manifest = read_manifest(om)
+    lines = []
+    if manifest is not None:
+        rank = rank or 0
+        lines.append(f"manifest {path}: {manifest.world} ranks (tp {manifest.tp}, ep {manifest.ep}): "
+                     + ", ".join(r.file for r in manifest.ranks) + f"; listing rank {rank}")
+    s = Session.load(path, inspect_rank=rank if manifest is not None or rank is not None else 0)
+    if manifest is not None:
+        path = str(s.om.path)
     m: Any = s.model
-    lines = [f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}; weights "
+    meta = {e.key: e.value for e in m.metadata}
+    lines += [f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}; weights "
              f"{_fmt_bytes(m.weights_bytes)} in {sum(1 for t in s.tensors if t.region == 'weights')} tensors"
              + (f", state {_fmt_bytes(s.state_bytes)} in {sum(1 for t in s.tensors if t.region == 'state')} "
-                "tensors (KV cache)" if s.state_bytes else "")]
+                "tensors (KV cache)" if s.state_bytes else "")
+             + (f"; rank {meta['parallel.rank']} of {meta['parallel.world']}" if "parallel.world" in meta else "")]
     for p in s.programs.values():
         lines += _program(s, p, summary)
     return "\n".join(lines)

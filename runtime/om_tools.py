@@ -30,9 +30,10 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from npuc.backend.manifest import Manifest, open_rank, read_manifest
 from npuc.backend.om_format import FORMAT_VERSION, OmFile, SectionInfo
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
-from npuc.errors import EXIT_IO, InternalError, NpucError
+from npuc.errors import EXIT_IO, EXIT_USAGE, InternalError, NpucError
 from npuc.runtime.om_validate import check_structure, validate_model
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
@@ -54,6 +55,10 @@ def _open(path: str, *, verify_weights: bool) -> Iterator[tuple[OmFile, Any]]:
 
     Without `verify_weights` only the model sections' checksums are checked (not the weights')."""
     with OmFile.open(path, verify=verify_weights) as om:
+        manifest = read_manifest(om)
+        if manifest is not None:  # the tools that take one model (export-onnx) take one rank's
+            raise NpucError("NPUC-E0150", f"{path} is the manifest of {manifest.world} rank files, not one model",
+                            f"name one rank's file, e.g. {manifest.rank_path(path, 0)}", exit_code=EXIT_USAGE)
         raw: dict[str, bytes] = {}
         for name in MODEL_SECTIONS:
             with om.section(name) as view:
@@ -114,10 +119,33 @@ def _kv_slots(m: Any) -> int:
     return min((int(t.shape[0]) for t in _caches(m)), default=0)
 
 
+def _manifest(path: str) -> Manifest | None:
+    with OmFile.open(path, verify=True) as om:
+        return read_manifest(om)
+
+
+def _rank_path(path: str, manifest: Manifest, rank: int) -> str:
+    """Rank `rank`'s file, after checking it is the one the manifest names (fingerprint)."""
+    with open_rank(path, manifest, rank, verify=False) as om:
+        return str(om.path)
+
+
 def model_info(path: str) -> dict[str, Any]:
     """The facts `npuc info` reports, as plain JSON-able data with stable keys. The
     top-level program fields are the first program's; `programs` has each one, and
-    `arena_bytes` is what the runtime allocates (the largest program's arena)."""
+    `arena_bytes` is what the runtime allocates (the largest program's arena).
+    A tensor-parallel manifest: rank 0's facts, with `parallel` (world, tp, ep) and
+    `ranks` (each rank's file, weights, arena, state and KV bytes per token)."""
+    manifest = _manifest(path)
+    if manifest is not None:
+        ranks = [model_info(_rank_path(path, manifest, r)) for r in range(manifest.world)]
+        info = dict(ranks[0])
+        info["parallel"] = {"world": manifest.world, "tp": manifest.tp, "ep": manifest.ep}
+        info["ranks"] = [{"file": f.file, "weights_bytes": i["weights_bytes"], "arena_bytes": i["arena_bytes"],
+                          "state_bytes": i["state_bytes"], "kv_cache_bytes_per_token": i["kv_cache_bytes_per_token"],
+                          "wire_bytes_per_step": i["wire_bytes_per_step"]}
+                         for f, i in zip(manifest.ranks, ranks, strict=True)]
+        return info
     with _open(path, verify_weights=False) as (om, m):
         prog = m.programs[0]
         sections = _sections(om)
@@ -146,7 +174,29 @@ def model_info(path: str) -> dict[str, Any]:
             "op_counts": dict(sorted(Counter(o.op for o in prog.ops).items())),
             "unit_counts": dict(sorted(Counter(o.unit for o in prog.ops).items())),
             "metadata": {e.key: e.value for e in m.metadata},
+            "wire_bytes_per_step": {p.name: _wire_bytes(m, p) for p in m.programs},
         }
+
+
+def _wire_bytes(m: Any, prog: Any) -> int:
+    """Bytes one rank sends per run of `prog` in its collectives (ir/collectives.py)."""
+    from npuc.ir import DType, TensorType, all_ops
+    from npuc.runtime.om_validate import attr_value
+
+    ops = all_ops()
+    total = 0
+    for o in prog.ops:
+        od = ops.get(o.op)  # info reads files validate would refuse: an unknown op moves nothing here
+        wire = od.extra.get("wire_bytes") if od is not None else None
+        if od is None or wire is None:
+            continue
+        try:
+            ins = [TensorType(tuple(m.tensors[i].shape), DType(m.tensors[i].dtype)) for i in o.inputs]
+            outs = [TensorType(tuple(m.tensors[i].shape), DType(m.tensors[i].dtype)) for i in o.outputs]
+            total += int(wire(ins, outs, od.full_attrs({a.name: attr_value(a.value) for a in o.attrs})))
+        except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, ArithmeticError):
+            continue  # a damaged collective: validate says what is wrong with it
+    return total
 
 
 def _table(rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> list[str]:
@@ -192,7 +242,17 @@ def render_info(path: str, info: dict[str, Any]) -> str:
                                              if info["state_bytes"] else "")),
         ("alignment", _b(info["alignment"])),
     ]
+    if "parallel" in info:
+        par = info["parallel"]
+        head.insert(0, ("parallel", f"{par['world']} ranks (tp {par['tp']}, ep {par['ep']}); below: rank 0"))
     lines = _table(head)
+    if "ranks" in info:
+        lines += [""] + _table([("rank", "file", "weights", "arena", "state", "KV/token", "wire/decode step")]
+                               + [(str(r), f["file"], _b(f["weights_bytes"]), _b(f["arena_bytes"]),
+                                   _b(f["state_bytes"]), _b(f["kv_cache_bytes_per_token"]),
+                                   _b(f["wire_bytes_per_step"].get("decode", max(f["wire_bytes_per_step"].values(),
+                                                                                default=0))))
+                                  for r, f in enumerate(info["ranks"])], right={2, 3, 4, 5, 6})
     lines += [""] + _table([("section", "offset", "size", "sha256")]
                            + [(s["name"], f"{s['offset']:,}", f"{s['size']:,}", s["sha256"][:16])
                               for s in info["sections"]], right={1, 2})
@@ -215,12 +275,23 @@ def render_info(path: str, info: dict[str, Any]) -> str:
 # --- npuc dump --json ------------------------------------------------------------
 
 
-def dump_json(path: str) -> str:
+def dump_json(path: str, rank: int | None = None) -> str:
     """The section table and the whole model definition as JSON (proto3 JSON mapping:
     64-bit integers are strings, unset fields are left out), keys sorted. The plan,
-    tasks and metadata sections are shown merged into it, where the runtime uses them."""
+    tasks and metadata sections are shown merged into it, where the runtime uses them.
+    A tensor-parallel manifest: the manifest, and rank `rank`'s (default 0) file."""
+    manifest = _manifest(path)
+    parallel: dict[str, Any] = {}
+    if manifest is not None:
+        rank = rank or 0
+        if not 0 <= rank < manifest.world:
+            raise NpucError("NPUC-E0150", f"{path} has ranks 0..{manifest.world - 1}, not {rank}",
+                            f"--rank 0..{manifest.world - 1}", exit_code=EXIT_USAGE)
+        parallel = {"manifest": json.loads(manifest.to_json()), "rank": rank}
+        path = _rank_path(path, manifest, rank)
     with _open(path, verify_weights=False) as (om, m):
         doc = {
+            **parallel,
             "format_version": FORMAT_VERSION,
             "sections": _sections(om),
             "modeldef": MessageToDict(m, preserving_proto_field_name=True),
@@ -233,7 +304,21 @@ def dump_json(path: str) -> str:
 
 def validate_om(path: str) -> str:
     """Check the file end to end; return the one-line "ok: ..." summary or raise NpucError.
-    The checks are the ones every load runs (runtime/om_validate.py), with every checksum."""
+    The checks are the ones every load runs (runtime/om_validate.py), with every checksum.
+    A tensor-parallel manifest: each rank's file in full, and that it is the rank file the
+    manifest names (its fingerprint, its recorded rank and world size)."""
+    manifest = _manifest(path)
+    if manifest is not None:
+        for r in range(manifest.world):
+            rank_path = _rank_path(path, manifest, r)
+            validate_om(rank_path)
+            with _open(rank_path, verify_weights=False) as (_, m):
+                meta = {e.key: e.value for e in m.metadata}
+            if meta.get("parallel.rank") != str(r) or meta.get("parallel.world") != str(manifest.world):
+                raise _bad("NPUC-E0152", f"{rank_path} says it is rank {meta.get('parallel.rank')} of "
+                           f"{meta.get('parallel.world')}, the manifest names it rank {r} of {manifest.world}")
+        return (f"ok: {path}: manifest of {manifest.world} ranks (tp {manifest.tp}, ep {manifest.ep}); every rank "
+                "file valid: " + ", ".join(f"{f.file} weights {_b(f.weights_bytes)}" for f in manifest.ranks))
     with _open(path, verify_weights=True) as (om, m):
         sections = om.section_info()
         tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None

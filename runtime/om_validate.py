@@ -367,6 +367,14 @@ def check_metadata(path: str, meta: Mapping[str, str], programs: Collection[str]
             raise wrong("max_seq_len", "is not a positive integer")
     if "eos_token_id" in meta and _ints(meta["eos_token_id"]) is None:
         raise wrong("eos_token_id", "is not a list of token ids")
+    for key, top in (("parallel.world", 4096), ("parallel.rank", 4095), ("parallel.ep", 4096),
+                     ("parallel.replicated_bytes", 1 << 62)):
+        if key in meta:
+            v = _ints(meta[key])
+            if v is None or len(v) != 1 or not 0 <= v[0] <= top:
+                raise wrong(key, "is not a rank count or index")
+    if "parallel.rank" in meta and int(meta["parallel.rank"]) >= int(meta.get("parallel.world", "1")):
+        raise wrong("parallel.rank", "is not below parallel.world")
     if "programs" in meta and set(meta["programs"].split(",")) - set(programs):
         raise wrong("programs", f"names a program the model does not have (it has {', '.join(programs)})")
 

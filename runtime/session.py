@@ -123,16 +123,24 @@ class Session:
         self._launch = {name: [f for f in fs if f is not None] for name, fs in self._per_step.items()}
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu", use_native: bool = True, prepack: bool | None = None
-             ) -> Session:
+    def load(cls, path: str, device: str = "cpu", use_native: bool = True, prepack: bool | None = None,
+             inspect_rank: int | None = None) -> Session:
         """`use_native=False` runs every op with the registry's torch kernels (the native
         CPU kernels are also off where they cannot be built, or with NPUC_NATIVE=0).
         `prepack` (default: on, unless NPUC_PREPACK=0) keeps a copy of the matrix weights
         packed for the host's GEMM, for products of many rows (prefill): faster, at the
-        cost of that copy's memory (`launchers.packed_bytes`)."""
-        om = OmFile.open(path)
-        model = join_model(path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
-        return cls(om, model, device, use_native, prepack)
+        cost of that copy's memory (`launchers.packed_bytes`). `path` may be the manifest of a
+        tensor-parallel compile: each rank of torch.distributed's group then loads its own
+        file (runtime/parallel.py); `inspect_rank` loads that rank's file (or a rank file)
+        outside any process group, for tools that list it (its collectives would refuse to run)."""
+        from npuc.runtime import parallel
+
+        om, _ = parallel.open_for_rank(path, inspect_rank)  # a tensor-parallel manifest: this rank's file
+        model = join_model(om.path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
+        s = cls(om, model, device, use_native, prepack)  # validates the file, its parallel.* metadata too
+        if inspect_rank is None:
+            parallel.check_rank(om.path, {e.key: e.value for e in model.metadata})
+        return s
 
     def _view(self, t: TensorInfo) -> torch.Tensor:
         base = {"arena": self.arena, "weights": self._weights, "state": self.state}[t.region]

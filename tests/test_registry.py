@@ -114,7 +114,13 @@ CASES: dict[str, list[Case]] = {
                        topk_group=2, norm_topk=True, routed_scale=2.5),
                   case("f32[1,16]", "f32[6,16]", "f32[6,8,16]", "f32[6,16,4]", top_k=3, n_group=3, topk_group=2,
                        scoring="softmax", group_score="max"),
-                  case("f32[5,8]", "f32[4,8]", "f32[4,4,8]", "f32[4,8,2]", top_k=1)],
+                  case("f32[5,8]", "f32[4,8]", "f32[4,4,8]", "f32[4,8,2]", top_k=1),
+                  # expert parallel: experts 4..7 of 8 here; the out-kernel must agree with the reference
+                  case("f32[6,16]", "f32[8,16]", "f32[4,12,16]", "f32[4,16,6]", "f32[8]", top_k=2, n_group=4,
+                       topk_group=2, norm_topk=True, routed_scale=2.5, expert_offset=4)],
+    # One rank (no peers): the sum of one part, the concatenation of one part.
+    "all_reduce": [case("f32[2,3]", world=1)],
+    "all_gather": [case("f32[2,3]", axis=1, world=1), case("f32[1,4,5]", axis=-1, world=1)],
     "fused_attention": [case("f32[1,4,8,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", scale=0.25, causal=True),
                         case("f32[2,2,8,16]", "f32[2,2,6,16]", "f32[2,2,6,16]", "bool[8,6]", scale=0.5),
                         case("f32[1,4,8,16]", "f32[1,2,8,16]", "f32[1,2,8,8]", scale=0.25, causal=True, window=3),
