@@ -709,12 +709,16 @@ def compile_model(
                                           None, debug=debug))
         return out_path
     if world > 1:
-        sharded.compile_ranks(graphs, tails, world, expert_parallel, target, meta, out_path, progress,
-                              lambda low, path: _write(low, path, extra, source.files, progress.advance),
-                              debug=debug)
-        if depfile_path is not None:
-            write_depfile(depfile_path, out_path, [*source.files, *([target.path] if target.path else []),
-                                                   *extra_deps])
+        try:
+            sharded.compile_ranks(graphs, tails, world, expert_parallel, target, meta, out_path, progress,
+                                  lambda low, path: _write(low, path, extra, source.files, progress.advance),
+                                  debug=debug)
+            if depfile_path is not None:
+                write_depfile(depfile_path, out_path, [*source.files, *([target.path] if target.path else []),
+                                                       *extra_deps])
+        except OSError as e:
+            raise NpucError("NPUC-E0406", f"cannot write {e.filename or out_path!r}: {e.strerror}",
+                            "check the output path", exit_code=EXIT_IO) from None
         progress.done()
         log.info("wrote %s", out_path)
         return out_path

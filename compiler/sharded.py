@@ -108,17 +108,23 @@ def compile_ranks(graphs: Sequence[Graph], tails: Sequence[Sequence[Pass]], worl
                 plans.append(_plan(rank, programs, low, sum(replicated.values()), target))
                 continue
             check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
-            path = rank_file_name(out_path, rank)
+            final = rank_file_name(out_path, rank)
+            # Beside the output under a temporary name until every rank is written: a failed
+            # compile leaves no rank file, and a previous compile's files and manifest intact.
+            path = os.path.join(os.path.dirname(final) or ".", f".{os.path.basename(final)}.{os.getpid()}.part")
             written.append(path)
             write(low, path)
             with contextlib.closing(OmFile.open(path, verify=False)) as om:
-                ranks.append(RankFile(os.path.basename(path), fingerprint(om), low.weights_bytes))
+                ranks.append(RankFile(os.path.basename(final), fingerprint(om), low.weights_bytes))
             del low, programs
         if write is not None:
+            for rank, path in enumerate(written):
+                os.replace(path, rank_file_name(out_path, rank))
+            written.clear()
             write_manifest(out_path, Manifest(world, world, world if expert_parallel else 1, tuple(ranks)))
         return plans
     except BaseException:
-        for p in written:  # no partial output: a failed compile leaves none of its rank files
+        for p in written:
             with contextlib.suppress(OSError):
                 os.unlink(p)
         raise

@@ -264,6 +264,31 @@ def test_split_that_does_not_divide_is_refused(tp_models: dict[str, dict[str, An
     assert r.returncode == 2 and "NPUC-E0124" in r.stderr
 
 
+def test_a_failed_compile_keeps_the_previous_output(tp_models: dict[str, dict[str, Any]], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills while rank 1's file is written: a coded error, and the previous
+    compile's manifest and rank files are left as they were (no new file, no partial one)."""
+    import npuc.compiler.driver as drv
+    from npuc.errors import NpucError
+
+    ckpt = str(tp_models["llama"]["root"] / "ckpt")
+    compile_model(ckpt, input_shape=f"input_ids:1,{PREFILL}", output=str(tmp_path / "m"), max_seq_len=32, tp=2)
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    real, calls = drv._write, []
+
+    def full_disk(low: Any, path: str, *args: Any) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        real(low, path, *args)
+
+    monkeypatch.setattr(drv, "_write", full_disk)
+    with pytest.raises(NpucError) as e:
+        compile_model(ckpt, input_shape=f"input_ids:1,{PREFILL}", output=str(tmp_path / "m"), max_seq_len=48, tp=2)
+    assert e.value.code == "NPUC-E0406" and len(calls) == 2
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
+
+
 def test_wrong_world_size_or_rank_is_refused(tp_models: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     m = tp_models["llama"]
     r = _npuc("generate", m["tp"], "--prompt-ids", "1,2,3")
