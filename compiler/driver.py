@@ -709,26 +709,21 @@ def compile_model(
                                           None, debug=debug))
         return out_path
     if world > 1:
-        try:
+        def write_model() -> None:
             sharded.compile_ranks(graphs, tails, world, expert_parallel, target, meta, out_path, progress,
                                   lambda low, path: _write(low, path, extra, source.files, progress.advance),
                                   debug=debug)
-            if depfile_path is not None:
-                write_depfile(depfile_path, out_path, [*source.files, *([target.path] if target.path else []),
-                                                       *extra_deps])
-        except OSError as e:
-            raise NpucError("NPUC-E0406", f"cannot write {e.filename or out_path!r}: {e.strerror}",
-                            "check the output path", exit_code=EXIT_IO) from None
-        progress.done()
-        log.info("wrote %s", out_path)
-        return out_path
-    check_dtypes(target, dtypes_used(graphs))
-    progress.stage("plan memory")
-    low = lower(graphs, target, meta)
-    check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
-    progress.stage("write", low.weights_bytes)
+    else:
+        check_dtypes(target, dtypes_used(graphs))
+        progress.stage("plan memory")
+        low = lower(graphs, target, meta)
+        check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
+        progress.stage("write", low.weights_bytes)
+
+        def write_model() -> None:
+            _write(low, out_path, extra, source.files, progress.advance)
     try:
-        _write(low, out_path, extra, source.files, progress.advance)
+        write_model()
         if depfile_path is not None:
             deps = [*source.files, *([target.path] if target.path else []),
                     *([os.fspath(keep_dtype)] if isinstance(keep_dtype, (str, os.PathLike)) else []), *extra_deps]

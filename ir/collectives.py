@@ -44,15 +44,20 @@ def _group(world: int) -> bool:
     return True
 
 
+def peer_error(e: BaseException) -> NpucError:
+    """A failed exchange between ranks (a peer died, or did not answer in time) as NPUC-E0153."""
+    return NpucError("NPUC-E0153", f"the ranks lost each other: {type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
+                     "a rank died or stopped answering (NPUC_DIST_TIMEOUT seconds); check every rank's log",
+                     exit_code=EXIT_IO)
+
+
 def _peers(fn: Any, *args: Any) -> None:
     """A collective; a peer that died or stopped answering is a coded error, not a hang."""
     try:
         fn(*args)
     except (RuntimeError, ValueError, OSError) as e:
-        raise NpucError("NPUC-E0153", f"the ranks lost each other: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
-                        "a rank died or stopped answering (NPUC_DIST_TIMEOUT seconds); check every rank's log",
-                        exit_code=EXIT_IO) from None
+        raise peer_error(e) from None
 
 
 def _gather_fn(dist: Any) -> Any:

@@ -32,7 +32,8 @@ from typing import Any
 
 from npuc.backend.manifest import Manifest, open_rank, read_manifest
 from npuc.backend.om_format import OmFile
-from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
+from npuc.errors import EXIT_USAGE, NpucError
+from npuc.ir.collectives import peer_error
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -87,13 +88,6 @@ def init_from_env(device: str = "cpu") -> bool:
     except (RuntimeError, ValueError, OSError) as e:
         raise peer_error(e) from None
     return True
-
-
-def peer_error(e: BaseException) -> NpucError:
-    return NpucError("NPUC-E0153", f"the ranks lost each other: {type(e).__name__}: "
-                     f"{str(e).splitlines()[0] if str(e) else ''}"[:300],
-                     "a rank died or stopped answering (NPUC_DIST_TIMEOUT seconds); check every rank's log",
-                     exit_code=EXIT_IO)
 
 
 def finish() -> None:
