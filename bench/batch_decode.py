@@ -1,5 +1,5 @@
 """Decode over several slots (issue 18): aggregate tokens/s at batch 1, 2, 4 and 8 on the
-bench model, npuc's scheduler (runtime/scheduler.py) beside HF `generate` on the same
+bench model, npuc's scheduler (apps/scheduler.py) beside HF `generate` on the same
 prompts, padded on the left, in the same run.
 
     python bench/batch_decode.py [--quick] [--work DIR] [--merge docs/benchmarks.json]
@@ -46,8 +46,8 @@ def prompts(s: Sizes, n: int) -> list[list[int]]:
 
 
 def _npuc_round(om: Path, s: Sizes, b: int) -> tuple[list[float], list[list[int]]]:
+    from npuc.apps.scheduler import Scheduler
     from npuc.runtime import Session
-    from npuc.runtime.scheduler import Scheduler
 
     sched = Scheduler(Session.load(str(om)))
     ids = [sched.submit(p, s.new, ignore_eos=True) for p in prompts(s, b)]
@@ -96,8 +96,8 @@ def run(ckpt: Path, s: Sizes, work: Path, rounds: int, batches: tuple[int, ...] 
             steps[b].extend(st)
             hf[b].append(_hf_round(model, s, b))
     # Each prompt alone (one slot, one after another): what every batch must have generated.
+    from npuc.apps.scheduler import generate_many
     from npuc.runtime import Session
-    from npuc.runtime.scheduler import generate_many
 
     one = oms[1] if 1 in oms else Path(compile_model(str(ckpt), input_shape=f"input_ids:1,{s.prompt}",
                                                      max_seq_len=s.max_len, soc_version="cpu",
@@ -140,7 +140,7 @@ def render(batch: dict[str, Any]) -> list[str]:
     lines = ["", "## Decode over several slots", "",
              f"bench/batch_decode.py: one `.om` per batch B (`--input_shape input_ids:B,{batch['prompt']}`), B "
              f"sequences of {batch['prompt']} prompt tokens each, {batch['new']} new tokens, greedy, decoded "
-             "together by the scheduler (runtime/scheduler.py); a step is one token of every slot. HF: "
+             "together by the scheduler (apps/scheduler.py); a step is one token of every slot. HF: "
              "`generate` on the same B prompts as one batch. The batches in turn over "
              f"{batch['rounds']} rounds ({batch.get('date', 'this run')}, {batch['threads']} threads). Each "
              f"sequence's tokens equal batch 1's: {batch['same_tokens']}.", "",

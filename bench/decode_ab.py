@@ -47,7 +47,7 @@ if kind == "llamacpp":
     generate = Generator(Path(paths[0]), ids, new, threads).generate
 elif kind == "npuc":
     from npuc.runtime import Session
-    from npuc.runtime.generate import steps as gen_steps
+    from npuc.apps.generate import steps as gen_steps
     sess = Session.load(paths[0])
     def generate():
         tokens, steps = [], []

@@ -84,7 +84,7 @@ def prompt_ids(s: Sizes) -> list[int]:
 
 def prefill_feed(sess: Any, ids: list[int]) -> dict[str, torch.Tensor]:
     """The prefill's inputs: the ids and, where the program takes it (compiled with
-    `--prefill_logits last`: runtime/generate.py's LAST_TOKEN), the row to compute logits for."""
+    `--prefill_logits last`: apps/generate.py's LAST_TOKEN), the row to compute logits for."""
     feed = {"input_ids": torch.tensor([ids])}
     if any(t.name == "last_token" for t in sess.programs["prefill"].inputs):
         feed["last_token"] = torch.tensor([len(ids) - 1])
@@ -113,9 +113,9 @@ NPUC_SYSTEMS = [("npuc (--soc_version cpu)", "cpu", "must_keep_origin_dtype"),
 
 def run_npuc(ckpt: Path, s: Sizes, work: Path, label: str = NPUC_SYSTEMS[0][0], soc: str = "cpu",
              precision: str = "must_keep_origin_dtype", quant_type: str | None = None) -> dict[str, Any]:
+    from npuc.apps.generate import steps as gen_steps
     from npuc.compiler.driver import compile_model
     from npuc.runtime import Session
-    from npuc.runtime.generate import steps as gen_steps
 
     t0 = time.perf_counter()
     om = compile_model(str(ckpt), input_shape=f"input_ids:1,{s.prompt}",
@@ -308,7 +308,7 @@ def memory_plans(work: Path, et_python: str | None, quick: bool) -> list[dict[st
 
     from npuc.backend.memory_plan import align_up
     from npuc.compiler.driver import compile_model
-    from npuc.runtime.om_tools import _open
+    from npuc.tools.om_tools import _open
 
     rows = []
     prefill = 16 if quick else 64

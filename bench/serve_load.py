@@ -123,7 +123,7 @@ def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: f
         c.request("GET", "/metrics")
         slots = int(next(float(line.split()[-1]) for line in c.getresponse().read().decode().splitlines()
                          if line.startswith("npuc_slots ")))
-        from npuc.runtime.om_tools import model_info
+        from npuc.tools.om_tools import model_info
 
         decode = next(p for p in model_info(str(om))["programs"] if p["name"] == "decode")
         tokens = int(decode["inputs"][0]["shape"][1])
@@ -151,7 +151,7 @@ def render(loads: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
              f"{first['prompt']} prompt tokens and {first['new']} new ones each. Capacity: completions per second "
              "with every slot busy. Steady: requests evenly spaced at half the capacity; saturation: all at once. "
              "With `--decode_tokens C` > 1 a decode step runs C tokens of each slot, and a request admitted while "
-             "others decode feeds its prompt through those steps instead of a prefill (runtime/scheduler.py).", "",
+             "others decode feeds its prompt through those steps instead of a prefill (apps/scheduler.py).", "",
              "| --decode_tokens | load | requests/s | completed | tokens/s | TTFT P50 (ms) | TTFT P99 (ms) "
              "| ITL P50 (ms) | ITL P99 (ms) | ITL P99/P50 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for load in loads:

@@ -253,7 +253,7 @@ def _mode_info(opts: dict[str, Any]) -> None:
     if not opts["om"]:
         raise NpucError("NPUC-E0109", "--mode 6 needs --om MODEL.om", "npuc compile --mode=6 --om build/model.om",
                         exit_code=EXIT_USAGE)
-    from npuc.runtime.om_tools import model_info, render_info
+    from npuc.tools.om_tools import model_info, render_info
 
     click.echo(render_info(opts["om"], model_info(opts["om"])))
 
@@ -266,7 +266,7 @@ def _mode_json(opts: dict[str, Any]) -> None:
     from npuc.compiler import instrument
 
     if om:
-        from npuc.runtime.om_tools import dump_json
+        from npuc.tools.om_tools import dump_json
 
         text = dump_json(om)
     else:

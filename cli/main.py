@@ -96,8 +96,8 @@ def verify(om: str, against: str, inputs_dir: str | None, atol: float, rtol: flo
            seed: int, trust_pickle: bool, as_json: bool, diagnostics_format: str, debug: bool) -> None:
     """Run a .om and its source (onnxruntime, or torch) on the same inputs and compare the outputs:
     max abs and rel error and cosine per output; exit 1 past --atol/--rtol."""
-    from npuc.compiler.verify import render_report, report_json, verify_failure
-    from npuc.compiler.verify import verify as run_verify
+    from npuc.tools.verify import render_report, report_json, verify_failure
+    from npuc.tools.verify import verify as run_verify
 
     setup("warning", diagnostics_format)
     rep = run_verify(om, against, inputs_dir, atol, rtol, per_layer, seed, trust_pickle=trust_pickle)
@@ -118,7 +118,7 @@ def verify(om: str, against: str, inputs_dir: str | None, atol: float, rtol: flo
 def export_onnx_cmd(om: str, out: str, program: str | None, weights: str, debug: bool) -> None:
     """Write a .om's optimised graph as ONNX (opset 18; fused ops in the custom domain npuc), to view in
     Netron. KV caches become inputs <state> and outputs <state>.out."""
-    from npuc.runtime.export_onnx import export_onnx
+    from npuc.tools.export_onnx import export_onnx
 
     click.echo(export_onnx(om, out, program=program, weights=weights).render())
 
@@ -145,13 +145,12 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program:
     """Run a compiled .om on .npy inputs."""
     import numpy as np
 
-    from npuc.ir import DType
-    from npuc.runtime import Session, parallel
+    from npuc.runtime.executor import open_session
 
-    parallel.init_from_env(device)  # under torchrun: each rank runs its part of a --tp model
-    sess = Session.load(om, device=device)
+    parallel = _parallel(device)
+    sess = open_session(om, device=device)
     feeds = {}
-    leader = parallel.is_leader()
+    leader = parallel is None or parallel.is_leader()
     if leader:  # rank 0 reads the inputs and hands them to the others
         for name, path in _parse_input_flag(inputs).items():
             try:
@@ -159,16 +158,30 @@ def run(om: str, inputs: tuple[str, ...], output_dir: str, device: str, program:
             except (OSError, ValueError) as e:
                 raise NpucError("NPUC-E0401", f"cannot read input {name!r} from {path!r}: {e}",
                                 "inputs are .npy files written by numpy.save", exit_code=EXIT_IO) from None
-    outs = sess.run(parallel.share(feeds), program)
-    parallel.finish()
+    outs = sess.run(parallel.share(feeds) if parallel is not None else feeds, program)
+    if parallel is not None:
+        parallel.finish()
     if not leader:
         return
     os.makedirs(output_dir, exist_ok=True)
+    kinds = {t.name: str(t.dtype) for t in sess._program(program).outputs}
     for name, t in outs.items():
         fname = "".join(c if c.isalnum() or c in "._-" else "_" for c in name) + ".npy"
-        np.save(os.path.join(output_dir, fname), t.cpu().numpy())
+        arr = t if isinstance(t, np.ndarray) else t.cpu().numpy()
+        np.save(os.path.join(output_dir, fname), arr)
         shape = ",".join(map(str, t.shape))
-        click.echo(f"{name}: {DType.from_torch(t.dtype)}[{shape}] -> {os.path.join(output_dir, fname)}")
+        click.echo(f"{name}: {kinds[name]}[{shape}] -> {os.path.join(output_dir, fname)}")
+
+
+def _parallel(device: str) -> Any:
+    """runtime/parallel (torch.distributed) where this process is a rank of torchrun; None
+    otherwise, so that a single-device run never imports torch."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    from npuc.runtime import parallel
+
+    parallel.init_from_env(device)  # under torchrun: each rank runs its part of a --tp model
+    return parallel
 
 
 # One id, then more after a comma or spaces (a comma may have spaces around it). ASCII
@@ -210,23 +223,27 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     token ids (and the text, for a text prompt). Several (repeated flags, or --prompts):
     decodes them together over the model's slots (--input_shape input_ids:B,S compiles B)
     and prints one JSON line each, in order: {"index", "token_ids"[, "text"]}."""
-    from npuc.runtime import Session, parallel
-    from npuc.runtime.generate import load_tokenizer
-    from npuc.runtime.scheduler import generate_many
+    from npuc.apps.generate import load_tokenizer
+    from npuc.apps.scheduler import generate_many
+    from npuc.runtime.executor import open_session
 
     if tp is not None and tp > 1 and "WORLD_SIZE" not in os.environ:
-        sys.exit(parallel.launch(tp, _without_tp(sys.argv[1:])))
-    parallel.init_from_env(device)
-    leader = parallel.is_leader()
+        from npuc.runtime import parallel as launcher
+
+        sys.exit(launcher.launch(tp, _without_tp(sys.argv[1:])))
+    parallel = _parallel(device)
+    leader = parallel is None or parallel.is_leader()
     items = _prompt_items(prompt_ids, prompt, prompts_file) if leader else []  # usage errors before the load
-    sess = Session.load(om, device=device)
+    sess = open_session(om, device=device)
     encode = decode = None
     if leader and any(isinstance(p, str) for p in items):
         encode, decode = load_tokenizer(sess)
     ids = [encode(p) if isinstance(p, str) and encode is not None else p for p in items]
-    ids = parallel.share(ids)  # rank 0's prompts; every rank runs the same steps
+    if parallel is not None:
+        ids = parallel.share(ids)  # rank 0's prompts; every rank runs the same steps
     outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos)
-    parallel.finish()
+    if parallel is not None:
+        parallel.finish()
     if not leader:
         return
     if len(items) == 1 and prompts_file is None:
@@ -260,7 +277,7 @@ def serve(om: str, host: str, port: int, max_queue: int, device: str, debug: boo
     except ImportError:
         raise NpucError("NPUC-E0104", "npuc serve needs Starlette and uvicorn", "pip install 'npuc[serve]'",
                         exit_code=EXIT_USAGE) from None
-    from npuc.runtime.serve import run
+    from npuc.apps.serve import run
 
     run(om, host, port, max_queue, device)
 
@@ -325,11 +342,11 @@ def _prompt_items(prompt_ids: Sequence[str], prompts: Sequence[str], path: str |
 def dump(om: str, summary: bool, as_json: bool, rank: int | None, debug: bool) -> None:
     """Print the compiled program: ops, shapes and planned offsets."""
     if as_json:
-        from npuc.runtime.om_tools import dump_json
+        from npuc.tools.om_tools import dump_json
 
         click.echo(dump_json(om, rank))
         return
-    from npuc.runtime.listing import render_listing
+    from npuc.tools.listing import render_listing
 
     click.echo(render_listing(om, summary=summary, rank=rank))
 
@@ -341,7 +358,7 @@ def dump(om: str, summary: bool, as_json: bool, rank: int | None, debug: bool) -
 @handle_errors
 def info(om: str, as_json: bool, debug: bool) -> None:
     """Summarise a .om: sections, weight/arena/lower-bound bytes, op and unit counts, metadata."""
-    from npuc.runtime.om_tools import model_info, render_info
+    from npuc.tools.om_tools import model_info, render_info
 
     facts = model_info(om)
     click.echo(json.dumps(facts, indent=2, sort_keys=True) if as_json else render_info(om, facts))
@@ -353,7 +370,7 @@ def info(om: str, as_json: bool, debug: bool) -> None:
 @handle_errors
 def validate(om: str, debug: bool) -> None:
     """Check a .om end to end: checksums, tensor bounds, and the memory plan re-validated."""
-    from npuc.runtime.om_tools import validate_om
+    from npuc.tools.om_tools import validate_om
 
     click.echo(validate_om(om))
 

@@ -11,7 +11,8 @@
 #                  [KEEP_DTYPE <file>]
 #                  [NPUC <command> [args...]]  # how to run npuc (default: see below)
 #                  [DEPENDS <file>...]         # more files that should trigger a recompile
-#                  [EXTRA_ARGS <arg>...])      # passed to `npuc compile` as they are
+#                  [EXTRA_ARGS <arg>...]       # passed to `npuc compile` as they are
+#                  [OM_VARIABLE <var>])        # sets <var> to the .om's path in the caller's scope
 #
 # Adds a custom command that produces <prefix>.om with
 # `npuc compile ... --depfile <prefix>.om.d` and a target <NAME> (built by
@@ -32,6 +33,32 @@
 #
 # Depfiles need CMake 3.7 with Ninja, 3.20 with the Makefile generators and 3.21
 # with the others; older ones track only the files named in the call.
+#
+#   npuc_add_runtime([SOURCE_DIR <dir>] [FIND_PACKAGE])
+#
+# Makes the native runtime's target npucrt::npucrt (libnpucrt, include/npucrt.h) available to
+# link an application against: by default built from the npucrt/ sources beside this module
+# (the runtime of the very npuc that compiles the models) when they are there, else
+# find_package(npucrt CONFIG) (an installed runtime: set CMAKE_PREFIX_PATH to its prefix).
+# SOURCE_DIR names other sources; FIND_PACKAGE takes the installed one even beside sources.
+# A second call does nothing. As with find_package, an installed runtime's targets are seen in
+# the calling directory and those below it; built from source, everywhere.
+#
+# A project that compiles a model and links an application that loads it:
+#
+#   cmake_minimum_required(VERSION 3.20)
+#   project(chat LANGUAGES C)
+#   include(path/to/npuc/cmake/npuc.cmake)
+#   npuc_add_runtime()
+#   npuc_add_model(NAME tiny MODEL ${CMAKE_CURRENT_SOURCE_DIR}/tiny-llama-hf
+#                  INPUT_SHAPE "input_ids:1,32" MAX_SEQ_LEN 96 OM_VARIABLE tiny_om)
+#   add_executable(app app.c)
+#   target_link_libraries(app PRIVATE npucrt::npucrt)
+#   add_dependencies(app tiny)                                  # the .om is built before the app
+#   target_compile_definitions(app PRIVATE MODEL_PATH="${tiny_om}")
+#
+# `cmake --build` then compiles the model (again only when a file it was compiled from
+# changes) and the application; examples/c/generate.c is such an application.
 
 include_guard(GLOBAL)
 
@@ -42,6 +69,9 @@ if(POLICY CMP0116)
 endif()
 
 set(NPUC_COMMAND "" CACHE STRING "Command that runs npuc (a list); empty: find it")
+# Where this file is, for npuc_add_runtime's default sources (read at include time: inside a
+# function CMAKE_CURRENT_LIST_DIR names the caller's directory).
+set(_NPUC_MODULE_DIR "${CMAKE_CURRENT_LIST_DIR}")
 
 function(_npuc_command out_var)
   if(NPUC_COMMAND)
@@ -67,7 +97,7 @@ endfunction()
 
 function(npuc_add_model)
   set(options)
-  set(one_value NAME MODEL SOC_VERSION OUTPUT MAX_SEQ_LEN PRECISION_MODE KEEP_DTYPE)
+  set(one_value NAME MODEL SOC_VERSION OUTPUT MAX_SEQ_LEN PRECISION_MODE KEEP_DTYPE OM_VARIABLE)
   set(multi_value INPUT_SHAPE NPUC DEPENDS EXTRA_ARGS)
   cmake_parse_arguments(PARSE_ARGV 0 ARG "${options}" "${one_value}" "${multi_value}")
   if(ARG_UNPARSED_ARGUMENTS)
@@ -158,4 +188,41 @@ function(npuc_add_model)
     VERBATIM)
   add_custom_target(${ARG_NAME} ALL DEPENDS "${om}")
   set_target_properties(${ARG_NAME} PROPERTIES NPUC_OM_FILE "${om}")
+  if(ARG_OM_VARIABLE)
+    set(${ARG_OM_VARIABLE} "${om}" PARENT_SCOPE)
+  endif()
+endfunction()
+
+function(npuc_add_runtime)
+  cmake_parse_arguments(PARSE_ARGV 0 ARG "FIND_PACKAGE" "SOURCE_DIR" "")
+  if(ARG_UNPARSED_ARGUMENTS)
+    message(FATAL_ERROR "npuc_add_runtime: unknown arguments: ${ARG_UNPARSED_ARGUMENTS}")
+  endif()
+  if(TARGET npucrt::npucrt)
+    return()
+  endif()
+  if(ARG_SOURCE_DIR)
+    get_filename_component(src "${ARG_SOURCE_DIR}" ABSOLUTE BASE_DIR "${CMAKE_CURRENT_SOURCE_DIR}")
+    if(NOT EXISTS "${src}/CMakeLists.txt")
+      message(FATAL_ERROR "npuc_add_runtime: SOURCE_DIR '${src}' holds no CMakeLists.txt")
+    endif()
+  elseif(NOT ARG_FIND_PACKAGE AND EXISTS "${_NPUC_MODULE_DIR}/../npucrt/CMakeLists.txt")
+    get_filename_component(src "${_NPUC_MODULE_DIR}/../npucrt" ABSOLUTE)
+  else()
+    set(src "")
+  endif()
+  if(src)
+    # Only the targets the application links are built (not the npucrt program), and nothing
+    # of the runtime's is installed with the application.
+    add_subdirectory("${src}" "${CMAKE_BINARY_DIR}/_npucrt" EXCLUDE_FROM_ALL)
+    message(STATUS "npuc: the runtime (npucrt::npucrt) is built from ${src}")
+    return()
+  endif()
+  find_package(npucrt CONFIG)
+  if(NOT TARGET npucrt::npucrt)
+    message(FATAL_ERROR "npuc_add_runtime: no installed runtime found (find_package(npucrt CONFIG)) and no "
+                        "npucrt sources beside ${_NPUC_MODULE_DIR}: install one (cmake --install of npuc's "
+                        "npucrt/) and set CMAKE_PREFIX_PATH to its prefix, or give SOURCE_DIR")
+  endif()
+  message(STATUS "npuc: the runtime (npucrt::npucrt) is the installed one in ${npucrt_DIR}")
 endfunction()

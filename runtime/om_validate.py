@@ -23,25 +23,33 @@ never in the weights.
 
 The memory cap is NPUC_MAX_MEMORY (bytes; suffixes K/M/G/T), else this machine's
 physical memory: a file may not make the runtime allocate more than the host has.
+
+The op checks need the op registry, which needs torch. Where torch cannot be imported (a
+runtime-only install), `validate_model` checks everything else and says so
+(`Checked.ops_checked` False): the C library's loader then checks each op against its
+kernels' own shape rules (runtime/native_session.py), as every native load does.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import math
 import os
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from npuc.backend.memory_plan import Buffer, Plan, validate_plan
 from npuc.errors import EXIT_IO, InternalError, NpucError
-from npuc.ir import DType, OpDef, TensorType, get_op
+
+if TYPE_CHECKING:
+    from npuc.ir import DType, OpDef
 
 E_BOUNDS = "NPUC-E0404"
 E_PARSE = "NPUC-E0405"
@@ -52,6 +60,8 @@ E_META = "NPUC-E0411"
 
 REGIONS = ("arena", "weights", "state")
 _HINT = "the file is damaged or was edited after compiling; recompile the model with `npuc compile`"
+# dtype name -> bytes per element (ir/types.py's DType, without importing the registry)
+ITEMSIZE = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "bool": 1}
 _INT = re.compile(r"[0-9]{1,18}")
 _MAX_DIM = 1 << 40  # an empty tensor's other dims are bounded too: shape rules multiply them  # ASCII decimal only (int() takes other scripts' digits too)
 
@@ -67,6 +77,12 @@ def attr_value(v: Any) -> Any:
         return None
     k = which[0]
     if k == "dtype":
+        if not registry_available():  # a listing without torch: the name as stored
+            if v.dtype not in ITEMSIZE:
+                raise ValueError(v.dtype)
+            return v.dtype
+        from npuc.ir import DType
+
         return DType(v.dtype)  # ValueError for an unknown one: the caller's refusal
     if k in ("ints", "floats"):
         return tuple(getattr(v, k).values)
@@ -92,6 +108,17 @@ class Checked:
     arena_bytes: int
     state_bytes: int
     buffers: int
+    ops_checked: bool = True  # against the registry's schemas (False: torch is not importable here)
+
+
+@functools.cache
+def registry_available() -> bool:
+    """Whether the op registry (and so torch) can be imported in this process."""
+    try:
+        import npuc.ir  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def validate_model(path: str, model: Any, weights: Any, tokenizer: bytes | None = None,
@@ -113,11 +140,12 @@ def validate_model(path: str, model: Any, weights: Any, tokenizer: bytes | None 
                         "set NPUC_MAX_MEMORY to allow more, if the file is trusted", exit_code=EXIT_IO)
     buffers = 0
     names: set[str] = set()
+    registry = registry_available()
     for prog in model.programs:
         if not prog.name or prog.name in names:
             raise bad(E_PARSE, f"{path}: program name {prog.name!r} is empty or repeated")
         names.add(prog.name)
-        check_ops(path, model, prog, dtypes)
+        check_ops(path, model, prog, dtypes, registry)
         check_indices(path, model, prog, weights)
         buffers += check_plan(path, model, prog)
     meta = {e.key: e.value for e in model.metadata}
@@ -125,7 +153,7 @@ def validate_model(path: str, model: Any, weights: Any, tokenizer: bytes | None 
     check_generation(path, model, meta)
     if tokenizer is not None:
         check_tokenizer(path, tokenizer)
-    return Checked(arena, int(model.state_bytes), buffers)
+    return Checked(arena, int(model.state_bytes), buffers, registry)
 
 
 def check_structure(path: str, model: Any) -> None:
@@ -142,28 +170,27 @@ def check_structure(path: str, model: Any) -> None:
             raise bad(E_BOUNDS, f"{path}: program {prog.name!r} refers to tensor {wrong[0]}, but there are {n}")
 
 
-def check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> list[DType]:
-    """Each tensor's dtype, region, dims, size and place; returns the dtypes."""
+def check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> list[str]:
+    """Each tensor's dtype, region, dims, size and place; returns the dtype names."""
     if m.weights_bytes != weights_len:
         raise bad(E_BOUNDS, f"{path}: the model definition says {m.weights_bytes} weight bytes, the "
                             f"'weights' section holds {weights_len}")
     limits = {"arena": arena_bytes, "weights": weights_len, "state": m.state_bytes}
     dtypes = []
     for t in m.tensors:
-        try:
-            dt = DType(t.dtype)
-        except ValueError:
-            raise bad(E_PARSE, f"{path}: tensor {t.name!r} has unknown dtype {t.dtype!r}") from None
-        dtypes.append(dt)
+        if t.dtype not in ITEMSIZE:
+            raise bad(E_PARSE, f"{path}: tensor {t.name!r} has unknown dtype {t.dtype!r}")
+        itemsize = ITEMSIZE[t.dtype]
+        dtypes.append(t.dtype)
         if t.region not in limits:
             raise bad(E_PARSE, f"{path}: tensor {t.name!r} is in unknown region {t.region!r}")
         if any(not 0 <= d <= _MAX_DIM for d in t.shape):  # 0 is a legal (empty) dim
             raise bad(E_INVALID, f"{path}: tensor {t.name!r} has shape {list(t.shape)}: dims must not be negative "
                                  f"(nor above {_MAX_DIM})")
-        if math.prod(t.shape) * dt.itemsize != t.nbytes:  # Python ints: a product never wraps
+        if math.prod(t.shape) * itemsize != t.nbytes:  # Python ints: a product never wraps
             raise bad(E_BOUNDS, f"{path}: tensor {t.name!r} is {t.dtype}{list(t.shape)} but says it has "
                                 f"{t.nbytes} bytes")
-        if t.offset % dt.itemsize or t.offset + t.nbytes > limits[t.region]:
+        if t.offset % itemsize or t.offset + t.nbytes > limits[t.region]:
             raise bad(E_BOUNDS, f"{path}: tensor {t.name!r} (bytes {t.offset}..{t.offset + t.nbytes}) lies "
                                 f"outside its {t.region} region of {limits[t.region]} bytes")
         if t.HasField("base"):
@@ -175,6 +202,8 @@ def check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> list
 
 
 def op_def(path: str, op: Any) -> OpDef:
+    from npuc.ir import get_op
+
     try:
         return get_op(op.op)
     except InternalError:
@@ -196,13 +225,16 @@ def op_attrs(path: str, op: Any, od: OpDef) -> dict[str, Any]:
     return od.full_attrs(attrs)
 
 
-def check_ops(path: str, m: Any, prog: Any, dtypes: list[DType]) -> None:
-    """Each op against its registry schema, and nothing written in the read-only weights."""
-    types: dict[int, TensorType] = {}
+def check_ops(path: str, m: Any, prog: Any, dtypes: list[str], registry: bool = True) -> None:
+    """Each op against its registry schema (with `registry`), and nothing written in the
+    read-only weights."""
+    types: dict[int, Any] = {}
 
-    def ttype(i: int) -> TensorType:
+    def ttype(i: int) -> Any:
+        from npuc.ir import DType, TensorType
+
         if i not in types:
-            types[i] = TensorType(tuple(m.tensors[i].shape), dtypes[i])
+            types[i] = TensorType(tuple(m.tensors[i].shape), DType(dtypes[i]))
         return types[i]
 
     def writable(i: int, why: str) -> None:
@@ -221,6 +253,12 @@ def check_ops(path: str, m: Any, prog: Any, dtypes: list[DType]) -> None:
     for i in prog.outputs:
         writable(i, "is an output")
     for op in prog.ops:
+        if not registry:  # the writes only; the C loader checks the rest against its kernels
+            for o in op.outputs:
+                writable(o, f"is written by op {op.name!r}")
+            if op.op in INPLACE and op.inputs:
+                writable(op.inputs[INPLACE[op.op]], f"is updated in place by op {op.name!r}")
+            continue
         od = op_def(path, op)
         attrs = op_attrs(path, op, od)
         if not od.arity_ok(len(op.inputs)):
@@ -250,6 +288,10 @@ def check_ops(path: str, m: Any, prog: Any, dtypes: list[DType]) -> None:
         elif need:
             raise bad(E_INVALID, f"{path}: op {op.name!r} ({od.name}) needs a workspace of {need} bytes and has none")
 
+
+# The registry's in-place ops (OpDef.inplace), for the check without the registry; a test holds
+# this to the registry.
+INPLACE = {"kv_write": 0}
 
 # op -> (its index operand, the operand it indexes, that operand's axis): the rows a position
 # or id may name. An index stored in the weights is read and checked here (a few KB at most);

@@ -156,10 +156,10 @@ def check(family: str, work: Path) -> Row:
     import torch
     import transformers as tf
 
+    from npuc.apps.generate import steps
     from npuc.compiler.driver import compile_model
     from npuc.errors import NpucError
     from npuc.runtime import Session
-    from npuc.runtime.generate import steps
 
     row = Row(family)
     folder = work / family

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import npuc
-from npuc.runtime.om_tools import dump_json
+from npuc.tools.om_tools import dump_json
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

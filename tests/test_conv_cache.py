@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuc.apps.generate import steps
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.ir import get_op
 from npuc.runtime import Session
-from npuc.runtime.generate import steps
 
 
 class ConvLM(nn.Module):
@@ -123,7 +123,7 @@ def test_a_recurrence_after_the_conv_is_refused(recurrent: str, why: str, tmp_pa
 def test_conv_caches_per_slot(tmp_path: Path) -> None:
     """Three slots: each sequence's tokens are what it gets alone, the decode-check pass
     probing slot 0; cached_conv1d reads each slot's window at its own position."""
-    from npuc.runtime.scheduler import generate_many
+    from npuc.apps.scheduler import generate_many
 
     m = ConvLM().eval()
     one = Session.load(_compile(m, tmp_path / "one"))

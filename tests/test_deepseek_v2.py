@@ -18,10 +18,10 @@ from hf_models import hf_greedy, prefill_vs_hf
 from torch import nn
 
 import npuc
+from npuc.apps.generate import generate
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
-from npuc.runtime.generate import generate
 
 
 def v2_config(**overrides: Any) -> Any:

@@ -25,9 +25,9 @@ from npuc.backend.targets import get_target
 from npuc.backend.writer import write_om
 from npuc.errors import NpucError
 from npuc.ir import DType, Graph, TensorSource, TensorType, all_ops, get_op
-from npuc.runtime import export_onnx as ex
-from npuc.runtime.export_onnx import DOMAIN, MAPPING, OPSET, export_onnx
 from npuc.runtime.session import Session
+from npuc.tools import export_onnx as ex
+from npuc.tools.export_onnx import DOMAIN, MAPPING, OPSET, export_onnx
 
 ort = pytest.importorskip("onnxruntime")
 

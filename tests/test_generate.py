@@ -14,11 +14,11 @@ import pytest
 import torch
 from hf_models import GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL
 
+from npuc.apps.generate import generate, steps
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
-from npuc.runtime.generate import generate, steps
-from npuc.runtime.om_tools import model_info, validate_om
+from npuc.tools.om_tools import model_info, validate_om
 
 MAX_SEQ, PREFILL = GEN_MAX_SEQ, GEN_PREFILL  # what conftest's gen_models compiles
 NEW = 32
@@ -209,7 +209,7 @@ def test_prompt_text_uses_the_stored_tokenizer(hf_checkpoints: dict[str, Path], 
 def test_decode_steps_allocate_nothing(arch: str, gen_models: dict[str, Path]) -> None:
     """Steady state: the arena, state and weights are allocated at load, and a decode
     step's ops write into planned slots and workspaces, so the step allocates no tensor."""
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     sess = Session.load(str(gen_models[arch]))
     arena, state = sess.arena.data_ptr(), sess.state.data_ptr()
@@ -226,7 +226,7 @@ def test_decode_steps_allocate_nothing(arch: str, gen_models: dict[str, Path]) -
 def test_prefill_holds_no_memory_beyond_its_outputs(gen_models: dict[str, Path]) -> None:
     """Prefill still runs some reference kernels (mla_attention under transformers 5); what they
     allocate is freed: all that stays is the output."""
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     sess = Session.load(str(gen_models["deepseek_v3"]))
     ids = {"input_ids": torch.zeros(1, PREFILL, dtype=torch.int64), "last_token": torch.tensor([PREFILL - 1])}

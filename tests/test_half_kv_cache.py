@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from hf_models import ARCHS, make_config
 
+from npuc.apps.generate import generation_info, steps
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType, TensorType, get_op
 from npuc.runtime import Session
-from npuc.runtime.generate import generation_info, steps
-from npuc.runtime.om_tools import model_info
+from npuc.tools.om_tools import model_info
 
 NEW = 32
 BF16 = "allow_mix_precision_bf16"
@@ -91,7 +91,7 @@ def test_cache_states_are_bf16_and_cost_half(pair: Pair) -> None:
 def test_decode_allocates_nothing_under_bf16(pair: Pair, native: bool) -> None:
     # torch: the registry's out-kernels (ir/out_kernels.py), which widen the half cache
     # into their planned workspace; native: the runtime's C kernels where they apply
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     sess = Session.load(str(pair.bf16), use_native=native)
     step = {"input_ids": torch.tensor([[5]]), "position": torch.tensor([20])}  # 21 rows widened per layer

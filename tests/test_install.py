@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ["ir", "compiler", "passes", "backend", "runtime", "cli", "cmake"]
+PACKAGE_DIRS = ["ir", "compiler", "passes", "backend", "runtime", "apps", "tools", "cli", "cmake", "include", "npucrt"]
 
 
 def _run(*cmd: str | Path, cwd: Path | None = None) -> str:
@@ -61,8 +61,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_carries_the_package_and_its_data(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for need in ["npuc/cli/ops_cmd.py", "npuc/runtime/native/kernels.c", "npuc/py.typed",
-                 "npuc/cmake/npuc.cmake", "npuc/compiler/driver.py"]:
+    for need in ["npuc/cli/ops_cmd.py", "npuc/npucrt/src/kernels.c", "npuc/include/npucrt.h", "npuc/py.typed",
+                 "npuc/cmake/npuc.cmake", "npuc/compiler/driver.py", "npuc/apps/generate.py", "npuc/tools/verify.py"]:
         assert need in names, need
     assert not any(n.startswith(("npuc/tests/", "npuc/bench/", "tests/")) for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))

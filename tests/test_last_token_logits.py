@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 
+from npuc.apps.generate import generate
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.ir import Graph, TensorSource, get_op, parse_graph, print_graph, verify
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import PassManager
 from npuc.runtime import Session
-from npuc.runtime.generate import generate
 
 VOCAB = 128
 

@@ -22,7 +22,7 @@ from npuc.ir.fused_ops import mla_absorbed
 from npuc.passes.canonicalize import Canonicalize
 from npuc.passes.mla_fusion import MLAFusion
 from npuc.runtime import Session
-from npuc.runtime.om_tools import model_info
+from npuc.tools.om_tools import model_info
 
 B, H, DN, DR, R, DV = 1, 4, 16, 8, 16, 16
 

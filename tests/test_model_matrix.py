@@ -115,10 +115,10 @@ def test_llama4_nope_layers_decode_up_to_their_temperature_floor(tmp_path: Path)
     from hf_models import hf_greedy
     from model_matrix import tiny_config
 
+    from npuc.apps.generate import generate
     from npuc.compiler.driver import compile_model
     from npuc.errors import NpucError
     from npuc.runtime import Session
-    from npuc.runtime.generate import generate
 
     if "llama4_text" not in in_scope():
         pytest.skip("this transformers has no Llama 4")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from hf_models import hf_greedy, prefill_vs_hf
 
+from npuc.apps.generate import generate
 from npuc.compiler.driver import compile_model
 from npuc.compiler.loaders import ConvertedSource, StackedExpertsSource, load_source
 from npuc.runtime import Session
-from npuc.runtime.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ from conftest import ONNX_OPSETS
 from hf_models import hf_greedy, prefill_vs_hf
 from test_fusion_passes import check, refuses
 
+from npuc.apps.generate import generate
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType, TensorType, get_op
 from npuc.ir.fused_ops import moe_route
 from npuc.passes.moe_fusion import MoEFusion
 from npuc.runtime import Session
-from npuc.runtime.generate import generate
 
 V3 = dict(top_k=2, n_group=4, topk_group=2, scoring="sigmoid", group_score="top2_sum", norm_topk=True,
           routed_scale=2.5)

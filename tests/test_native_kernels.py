@@ -586,7 +586,7 @@ def test_decode_views_run_nothing(llama_gen: dict[str, Path]) -> None:
 
 
 def test_native_decode_allocates_nothing(host_lib: Any, llama_gen: dict[str, Path]) -> None:
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     s = Session.load(str(llama_gen["npu"]))
     step = {"input_ids": torch.tensor([[5]]), "position": torch.tensor([PREFILL + 1])}

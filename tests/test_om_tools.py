@@ -199,7 +199,7 @@ def test_dump_json_has_the_whole_model(om_path: Path) -> None:
 
 
 def test_om_tools_need_only_the_runtime_dependencies() -> None:
-    code = ("import sys, npuc.runtime.om_tools; "
+    code = ("import sys, npuc.tools.om_tools; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'onnx', 'transformers', 'networkx', 'click'}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -18,7 +18,7 @@ from npuc.backend.om_format import WEIGHTS_ALIGN, OmFile, OmWriter
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model, split_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
-from npuc.runtime.om_tools import validate_om
+from npuc.tools.om_tools import validate_om
 
 Edit = Callable[[Any], None]
 
@@ -195,7 +195,7 @@ def test_a_malformed_tokenizer_section_is_refused(gen_om: Path, tmp_path: Path, 
 
 
 def test_without_max_seq_len_the_programs_run_and_generate_refuses(gen_om: Path, tmp_path: Path) -> None:
-    from npuc.runtime.generate import generate
+    from npuc.apps.generate import generate
 
     other = rewrite(gen_om, tmp_path / "other.om", _no_max_seq_len)
     assert validate_om(str(other)).startswith("ok: ")
@@ -230,7 +230,7 @@ def test_the_cli_says_it_in_one_line(gen_om: Path, tmp_path: Path) -> None:
 
 def test_a_fresh_file_passes(gen_om: Path, tmp_path: Path) -> None:
     """The re-sealing itself changes nothing: an unedited copy validates, loads and generates."""
-    from npuc.runtime.generate import stream
+    from npuc.apps.generate import stream
 
     same = rewrite(gen_om, tmp_path / "same.om")
     assert validate_om(str(same)).startswith("ok: ")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import npuc
+from npuc.apps.generate import steps
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
-from npuc.runtime.generate import steps
 
 ort = pytest.importorskip("onnxruntime")
 DATA = Path(__file__).parent / "data" / "optimum"
@@ -86,7 +86,7 @@ def test_with_past_programs_are_the_fused_programs_of_the_checkpoint(arch: str, 
                                                                      tmp_path: Path) -> None:
     """The ONNX file's programs are, op for op, what the Hugging Face folder compiles to:
     attention, RoPE LUT, RMSNorm and SwiGLU fused, a KV cache of the same bytes."""
-    from npuc.runtime.om_tools import model_info
+    from npuc.tools.om_tools import model_info
 
     hf = compile_model(str(hf_checkpoints[arch]), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
                        output=str(tmp_path / "hf"))
@@ -257,7 +257,7 @@ def test_gqa_after_earlier_tokens_without_their_past_is_refused(genai_files: dic
 def test_verify_against_the_with_past_file(arch: str, onnx_oms: dict[str, Path]) -> None:
     """`npuc verify` feeds onnxruntime what the .om holds as constants: the prompt's mask and
     positions and an empty past; the present outputs are not the .om's."""
-    from npuc.compiler.verify import verify
+    from npuc.tools.verify import verify
 
     report = verify(str(onnx_oms[arch]), _path(arch))
     assert report.ok and [o.source_name for o in report.outputs] == ["logits"]
@@ -267,7 +267,7 @@ def test_verify_against_the_with_past_file(arch: str, onnx_oms: dict[str, Path])
 def test_with_past_export_over_slots(onnx_oms: dict[str, Path], tmp_path: Path) -> None:
     """--input_shape batch_size:3 caches three sequences: prefill at batch 1 into a slot,
     decode at batch 3; each sequence's tokens are the ones it gets alone."""
-    from npuc.runtime.scheduler import generate_many
+    from npuc.apps.scheduler import generate_many
 
     om = compile_model(_path("qwen2"), input_shape="batch_size:3;sequence_length:8", max_seq_len=MAX_SEQ,
                        output=str(tmp_path / "m"))

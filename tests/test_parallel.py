@@ -20,7 +20,7 @@ from hf_models import COMMON, hf_greedy, make_config, moe_config
 
 from npuc.compiler.driver import compile_model
 from npuc.runtime import Session
-from npuc.runtime.om_tools import model_info, validate_om
+from npuc.tools.om_tools import model_info, validate_om
 
 HERE = Path(__file__).parent
 PROMPT = [3, 17, 5, 99, 42, 7]
@@ -115,7 +115,7 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
 
 def _single(path: str, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Prefill and decode logits of the single-device .om, and its decode step's allocations."""
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     s = Session.load(path)
     n = ids.shape[1]

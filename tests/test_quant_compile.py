@@ -103,7 +103,7 @@ def test_quantized_moe_generates_in_the_default_mode(moe_checkpoint: Path, hf_mo
                                                      tmp_path: Path) -> None:
     """The default mode gives the quantized products bf16 activations: close to the rounded
     model, and a KV-cache program pair generates from it."""
-    from npuc.runtime.generate import generate
+    from npuc.apps.generate import generate
 
     om = compile_model(str(moe_checkpoint), input_shape="input_ids:1,8", output=str(tmp_path / "g"),
                        quant_type="w4a16", group_size=GROUP, max_seq_len=32)

@@ -20,11 +20,11 @@ import pytest
 import torch
 from hf_models import make_config, moe_config
 
+from npuc.apps.generate import steps
 from npuc.compiler.driver import compile_model
 from npuc.ir import DType
 from npuc.passes.precision import Precision, table_error
 from npuc.runtime import Session
-from npuc.runtime.generate import steps
 
 NEW = 16
 MODES = {"allow_fp32_to_fp16": torch.float16, "allow_mix_precision_bf16": torch.bfloat16}

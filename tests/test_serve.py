@@ -1,4 +1,4 @@
-"""`npuc serve` (runtime/serve.py), run as users run it: a subprocess on a loopback port,
+"""`npuc serve` (apps/serve.py), run as users run it: a subprocess on a loopback port,
 spoken to over HTTP. Every response's tokens are the ones `generate` gives that prompt
 alone; bad requests get OpenAI-style 4xx errors and never reach the model; a full queue
 is 429; a client that goes away frees its slot; SIGTERM drains and exits 0."""
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from npuc.apps.scheduler import generate_many
 from npuc.compiler.driver import compile_model
 from npuc.runtime import Session
-from npuc.runtime.scheduler import generate_many
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -163,7 +163,7 @@ def test_64_concurrent_requests_each_get_their_own_tokens(server: Server, models
 
 
 def test_text_and_chat(server: Server, models: tuple[Path, Path]) -> None:
-    from npuc.runtime.generate import load_tokenizer_object
+    from npuc.apps.generate import load_tokenizer_object
 
     tok = load_tokenizer_object(Session.load(str(models[1])))
     status, out, _ = server.post("/v1/completions", {"prompt": "w5 w9 w17", "max_tokens": 5, "ignore_eos": True})

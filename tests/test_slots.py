@@ -1,4 +1,4 @@
-"""Many sequences over static slots (passes/kv_cache.py `slots`, runtime/scheduler.py):
+"""Many sequences over static slots (passes/kv_cache.py `slots`, apps/scheduler.py):
 `--input_shape input_ids:B,S --max_seq_len N` compiles a prefill that fills one slot and a
 decode of one token of every slot, each at its own position. Every sequence's tokens and
 logits are the ones it gets decoded alone, while others join and leave around it."""
@@ -14,12 +14,12 @@ import pytest
 import torch
 from hf_models import GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL
 
+from npuc.apps.generate import steps
+from npuc.apps.scheduler import Scheduler, generate_many
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
-from npuc.runtime.generate import steps
-from npuc.runtime.om_tools import model_info
-from npuc.runtime.scheduler import Scheduler, generate_many
+from npuc.tools.om_tools import model_info
 
 SLOTS = 4
 ARCHS = [*GEN_ARCHS, "deepseek_v3_moe"]
@@ -114,7 +114,7 @@ def test_programs_and_info(slot_models: dict[str, tuple[Path, Path]]) -> None:
 
 
 def test_decode_over_every_slot_allocates_nothing(slot_models: dict[str, tuple[Path, Path]]) -> None:
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     for arch in ("llama", "deepseek_v3"):
         sess = Session.load(str(slot_models[arch][1]))
@@ -187,7 +187,7 @@ def test_several_tokens_a_step_feed_prompts_beside_the_decoding_slots(
     """--decode_tokens 4: a decode step runs 4 tokens of each slot. Requests admitted while
     others decode skip the prefill (their prompt goes through the decode steps, 4 tokens at a
     time); every token and logit is still the sequence's alone, and the step allocates nothing."""
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     om = compile_model(str(hf_checkpoints[arch]), input_shape=f"input_ids:{SLOTS},{GEN_PREFILL}",
                        max_seq_len=GEN_MAX_SEQ, decode_tokens=4, output=str(tmp_path / "c4"))

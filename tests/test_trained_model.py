@@ -82,8 +82,8 @@ def test_fp32_om_matches_hf(harness: Harness, windows: torch.Tensor, hf_logits: 
 
 def test_generate_prompt_text(harness: Harness) -> None:
     """The .om holds the byte tokenizer, so `npuc generate --prompt "def "` works."""
+    from npuc.apps.generate import generate, load_tokenizer
     from npuc.runtime import Session
-    from npuc.runtime.generate import generate, load_tokenizer
 
     sess = Session.load(str(harness.compile(FP32, generate=True)))
     encode, decode = load_tokenizer(sess)

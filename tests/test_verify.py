@@ -16,16 +16,16 @@ import torch
 
 from npuc.compiler import verify as verify_mod
 from npuc.compiler.driver import compile_model
-from npuc.compiler.verify import (
+from npuc.errors import NpucError
+from npuc.ir import OpDef, get_op
+from npuc.ir.registry import REGISTRY
+from npuc.runtime import Session
+from npuc.tools.verify import (
     render_report,
     report_json,
     verify,
     verify_failure,
 )
-from npuc.errors import NpucError
-from npuc.ir import OpDef, get_op
-from npuc.ir.registry import REGISTRY
-from npuc.runtime import Session
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import numpy as np
 
 def main() -> None:
     from npuc.runtime import Session, parallel
-    from npuc.runtime.alloc_profile import profile_run
+    from npuc.tools.alloc_profile import profile_run
 
     om, ids_path, out = sys.argv[1:4]
     die = len(sys.argv) > 4 and sys.argv[4] == "die"

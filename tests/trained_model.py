@@ -165,8 +165,8 @@ class Greedy:
 def greedy_tokens(model: str | Path, prompts: Sequence[Sequence[int]], n_tokens: int) -> list[list[int]]:
     """Greedy continuations by an .om compiled with --max_seq_len, or by an HF folder."""
     if str(model).endswith(".om"):
+        from npuc.apps.generate import generate
         from npuc.runtime import Session
-        from npuc.runtime.generate import generate
 
         sess = Session.load(str(model))
         return [generate(sess, list(p), n_tokens, ignore_eos=True) for p in prompts]

@@ -1,6 +1,8 @@
-"""Native CPU kernels: kernels.c, compiled for this host the first time a model loads.
+"""libnpucrt, the native runtime (npucrt/src/*.c), compiled for this host the first time a
+model loads: the C executor (`npuc.runtime.native_session`) and the CPU kernels that the
+Python executor (runtime/launch.py) also calls.
 
-The source ships with npuc and is built with the system C compiler (`$CC`, else `cc`),
+The sources ship with npuc and are built with the system C compiler (`$CC`, else `cc`),
 `-O3 -march=native`, into a per-user cache keyed by the source, the flags, the
 compiler and the CPU's feature flags; later loads reuse the library. Code tuned to the
 host's ISA belongs here, at load time, never in the `.om` (which stays portable). Where
@@ -26,9 +28,21 @@ from pathlib import Path
 
 log = logging.getLogger("npuc")
 
-SOURCE = Path(__file__).with_name("kernels.c")
+ROOT = Path(__file__).resolve().parent.parent.parent  # the npuc package: npucrt/ and include/ beside runtime/
+SOURCE_DIR = ROOT / "npucrt" / "src"
+INCLUDE_DIR = ROOT / "include"
 ABI = 8
-_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def _headers() -> list[Path]:
+    return sorted([*SOURCE_DIR.glob("*.h"), *INCLUDE_DIR.glob("*.h")])
+
+
+_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR}")
 _LIBS = ("-lm", "-lpthread")
 # Tried in order: the host's ISA, then without -march (an old or cross compiler: the plain C paths).
 _VARIANTS = (("-march=native",), ())
@@ -65,7 +79,7 @@ def _build(cc: str, out: Path) -> list[str] | None:
     for extra in _VARIANTS:
         fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *_FLAGS, *extra, "-o", tmp, str(SOURCE), *_LIBS]
+        cmd = [cc, *_FLAGS, *extra, "-o", tmp, *(str(p) for p in sources()), *_LIBS]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
@@ -142,9 +156,10 @@ def library() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_FLAGS), repr(_VARIANTS), version,
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
-    path = cache_dir() / f"kernels-{key}.so"
+    key = hashlib.sha256("\0".join([*(p.name + p.read_text() for p in [*sources(), *_headers()]), " ".join(_FLAGS),
+                                    repr(_VARIANTS), version, platform.machine(), _cpu_flags()]).encode()
+                         ).hexdigest()[:20]
+    path = cache_dir() / f"libnpucrt-{key}.so"
     lib = _open(path) if path.is_file() else None
     if lib is None:  # not built yet, or a cached file that does not load (damaged): build it
         try:

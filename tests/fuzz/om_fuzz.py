@@ -450,10 +450,10 @@ def _feeds(sess: Any, prog: Any) -> dict[str, Any]:
 
 def execute(path: str) -> dict[str, Any]:
     """Every reader entry point on one file; what each did."""
+    from npuc.apps.generate import generate, generation_info
     from npuc.errors import NpucError
     from npuc.runtime import Session
-    from npuc.runtime.generate import generate, generation_info
-    from npuc.runtime.om_tools import model_info, validate_om
+    from npuc.tools.om_tools import model_info, validate_om
 
     res: dict[str, Any] = {"npuc": [], "exc": None, "validate": None, "load": None, "run": None}
 
@@ -498,8 +498,8 @@ def _worker(conn: Connection, seed_paths: list[str], tmp: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import npuc.runtime.generate  # noqa: F401  (import once, before the first execution)
-    import npuc.runtime.om_tools  # noqa: F401
+    import npuc.apps.generate  # noqa: F401  (import once, before the first execution)
+    import npuc.tools.om_tools  # noqa: F401
 
     seeds = [Path(p).read_bytes() for p in seed_paths]
     mine = os.path.join(tmp, f"w{os.getpid()}.om")

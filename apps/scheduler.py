@@ -31,12 +31,12 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+import numpy as np
 
+from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info
 from npuc.errors import EXIT_USAGE, NpucError
-from npuc.runtime.generate import LAST_TOKEN, GenerationInfo, check_prompt, generation_info
-from npuc.runtime.session import Session
 
 SLOT = "slot"
 
@@ -62,11 +62,11 @@ class Event:
     request: int
     token: int | None
     finish_reason: str | None = None
-    logits: torch.Tensor | None = None
+    logits: Any = None  # numpy (C executor) or torch (reference interpreter)
 
 
 class Scheduler:
-    def __init__(self, s: Session, keep_logits: bool = False) -> None:
+    def __init__(self, s: Any, keep_logits: bool = False) -> None:
         self.session = s
         self.info: GenerationInfo = generation_info(s)
         decode = s.programs["decode"]
@@ -79,12 +79,12 @@ class Scheduler:
             raise NpucError("NPUC-E0125", f"the model was compiled for batch {self.slots} by an npuc without "
                             "slots: its prefill fills every sequence at once", "recompile it", exit_code=EXIT_USAGE)
         self.keep_logits = keep_logits
-        self._ids = torch.zeros((self.slots, self.tokens), dtype=torch.int64)
-        self._pos = torch.zeros((self.slots,) if self.tokens == 1 else (self.slots, self.tokens), dtype=torch.int64)
+        self._ids = np.zeros((self.slots, self.tokens), dtype=np.int64)
+        self._pos = np.zeros((self.slots,) if self.tokens == 1 else (self.slots, self.tokens), dtype=np.int64)
         self._fed = [0] * self.slots  # tokens each slot feeds this step
-        self._prompt = torch.zeros((1, self.info.prefill_len), dtype=torch.int64)
-        self._last = torch.zeros((1,), dtype=torch.int64)
-        self._slot = torch.zeros((1,), dtype=torch.int64)
+        self._prompt = np.zeros((1, self.info.prefill_len), dtype=np.int64)
+        self._last = np.zeros((1,), dtype=np.int64)
+        self._slot = np.zeros((1,), dtype=np.int64)
         self._running: list[Request | None] = [None] * self.slots
         self._queue: deque[Request] = deque()
         self._ids_counter = itertools.count()
@@ -142,7 +142,7 @@ class Scheduler:
         if not self.active:
             return events
         c = self.tokens
-        pos = self._pos.view(self.slots, c)
+        pos = self._pos.reshape(self.slots, c)
         for k, r in enumerate(self._running):
             # up to C tokens of the slot's feed; the rest of its C rows repeat the last (token,
             # position), which writes the same key and value again: a no-op on the cache
@@ -173,8 +173,8 @@ class Scheduler:
             self._running[k] = r
             return
         n = min(len(r.prompt), info.prefill_len)
-        self._prompt.zero_()
-        self._prompt[0, :n] = torch.tensor(r.prompt[:n], dtype=torch.int64)
+        self._prompt[:] = 0
+        self._prompt[0, :n] = np.asarray(r.prompt[:n], dtype=np.int64)
         feeds = {info.ids_name: self._prompt}
         if info.last_token:
             self._last[0] = n - 1
@@ -188,7 +188,7 @@ class Scheduler:
         if not r.feed:
             self._choose(r, logits, events)
 
-    def _choose(self, r: Request, logits: torch.Tensor, events: list[Event]) -> None:
+    def _choose(self, r: Request, logits: Any, events: list[Event]) -> None:
         token = int(logits.argmax())
         r.tokens.append(token)
         if token in self.info.eos and not r.ignore_eos:
@@ -201,10 +201,10 @@ class Scheduler:
             r.feed.append(token)
         if r.finish_reason is not None:
             self._running[r.slot] = None
-        events.append(Event(r.id, token, r.finish_reason, logits.clone() if self.keep_logits else None))
+        events.append(Event(r.id, token, r.finish_reason, copy_row(logits) if self.keep_logits else None))
 
 
-def generate_many(s: Session, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+def generate_many(s: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
                   ) -> list[list[int]]:
     """Greedy tokens for each prompt, decoded over the model's slots together."""
     sched = Scheduler(s)

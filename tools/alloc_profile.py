@@ -7,7 +7,7 @@ result, which is copied into its slot and dropped before the run returns. So a r
 allocates only for ops without an out-kernel, plus the copies of the outputs it
 hands back (none with `copy_outputs=False`).
 
-    python -m npuc.runtime.alloc_profile build/lm.om decode
+    python -m npuc.tools.alloc_profile build/lm.om decode
 """
 
 from __future__ import annotations

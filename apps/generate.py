@@ -18,13 +18,15 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
-from npuc.runtime.om_validate import check_tokenizer
-from npuc.runtime.session import Session
+
+if TYPE_CHECKING:  # either executor: the C library's (native_session) or the torch interpreter's
+    from npuc.runtime.native_session import NativeSession
+    from npuc.runtime.session import Session
 
 # The prefill input naming the row whose logits it computes (passes/last_token_logits.py).
 LAST_TOKEN = "last_token"
@@ -46,7 +48,17 @@ def _vocab(s: Session, ids_name: str) -> int:
     return s.index_rows("prefill").get(ids_name) or int(s.programs["prefill"].outputs[0].shape[-1])
 
 
-def generation_info(s: Session) -> GenerationInfo:
+def copy_row(x: Any) -> Any:
+    """A row of logits that outlives the next run (numpy from the C executor, torch from the other)."""
+    return x.copy() if isinstance(x, np.ndarray) else x.clone()
+
+
+def generation_info(s: Session | NativeSession) -> GenerationInfo:
+    if hasattr(s, "generation"):  # the C executor read it from the file at load
+        g = s.generation()
+        ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
+        last = any(t.name == LAST_TOKEN for t in s.programs["prefill"].inputs)
+        return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last)
     meta = {m.key: m.value for m in s.model.metadata}
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
         raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
@@ -79,9 +91,9 @@ def check_prompt(info: GenerationInfo, prompt: Sequence[int]) -> None:
 
 
 def _slotted_steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool,
-                   keep_logits: bool) -> Iterator[tuple[int, torch.Tensor]]:
-    """One sequence through the scheduler (runtime/scheduler.py), in slot 0."""
-    from npuc.runtime.scheduler import Scheduler
+                   keep_logits: bool) -> Iterator[tuple[int, Any]]:
+    """One sequence through the scheduler (apps/scheduler.py), in slot 0."""
+    from npuc.apps.scheduler import Scheduler
 
     sched = Scheduler(s, keep_logits=True)
     sched.submit(list(prompt), max_new_tokens, ignore_eos)
@@ -92,7 +104,7 @@ def _slotted_steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignor
 
 
 def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False,
-          keep_logits: bool = True) -> Iterator[tuple[int, torch.Tensor]]:
+          keep_logits: bool = True) -> Iterator[tuple[int, Any]]:
     """Yield (token, the logits it was chosen from) for each new token. Without
     `keep_logits` the logits are a view of the arena, valid until the next step: the
     decode loop then allocates no tensor in the runtime."""
@@ -108,17 +120,18 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
                         "prefill fills every sequence at once", "recompile it", exit_code=EXIT_USAGE)
     s.reset_state()
     n = min(len(prompt), info.prefill_len)
-    first = torch.zeros((1, info.prefill_len), dtype=torch.int64)
-    first[0, :n] = torch.tensor(list(prompt[:n]), dtype=torch.int64)
+    first = np.zeros((1, info.prefill_len), dtype=np.int64)
+    first[0, :n] = np.asarray(list(prompt[:n]), dtype=np.int64)
     feeds = {info.ids_name: first}
     if info.last_token:
-        feeds[LAST_TOKEN] = torch.tensor([n - 1])
+        feeds[LAST_TOKEN] = np.array([n - 1], dtype=np.int64)
     logits = s.run(feeds, "prefill", copy_outputs=keep_logits)["logits"][0, 0 if info.last_token else n - 1]
     decode = s.programs["decode"]
     pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
 
-    def step(token: int, pos: int) -> torch.Tensor:
-        out = s.run({info.ids_name: torch.tensor([[token]]), pos_name: torch.tensor([pos])}, "decode",
+    def step(token: int, pos: int) -> Any:
+        out = s.run({info.ids_name: np.array([[token]], dtype=np.int64), pos_name: np.array([pos], dtype=np.int64)},
+                    "decode",
                     copy_outputs=keep_logits)
         return out["logits"][0, -1]
 
@@ -154,9 +167,18 @@ def tokenizer_functions(tok: Any) -> tuple[Callable[[str], list[int]], Callable[
     return encode, decode
 
 
-def load_tokenizer_object(s: Session) -> Any:
+def tokenizer_section(s: Session | NativeSession) -> bytes | None:
+    if hasattr(s, "section"):
+        return s.section("tokenizer")
+    return bytes(s.om.section("tokenizer")) if "tokenizer" in s.om.section_names() else None
+
+
+def load_tokenizer_object(s: Session | NativeSession) -> Any:
     """The transformers tokenizer from the files the compiler stored (its chat template too)."""
-    if "tokenizer" not in s.om.section_names():
+    from npuc.runtime.om_validate import check_tokenizer
+
+    data = tokenizer_section(s)
+    if data is None:
         raise NpucError("NPUC-E0126", "the model has no tokenizer", "pass --prompt-ids, or compile from a Hugging "
                         "Face folder that has tokenizer files", exit_code=EXIT_USAGE)
     try:
@@ -164,7 +186,7 @@ def load_tokenizer_object(s: Session) -> Any:
     except ImportError:
         raise NpucError("NPUC-E0104", "--prompt needs transformers to run the stored tokenizer",
                         "pip install 'npuc[hf]', or pass --prompt-ids", exit_code=EXIT_USAGE) from None
-    files = check_tokenizer(str(s.om.path), bytes(s.om.section("tokenizer")))  # checked at load, too
+    files = check_tokenizer(str(getattr(s, "path", None) or s.om.path), data)  # checked at load, too
     with tempfile.TemporaryDirectory() as d:
         for name, data in files.items():
             with open(os.path.join(d, name), "wb") as f:

@@ -180,6 +180,8 @@ def model_info(path: str) -> dict[str, Any]:
 
 def _wire_bytes(m: Any, prog: Any) -> int:
     """Bytes one rank sends per run of `prog` in its collectives (ir/collectives.py)."""
+    if not any(o.op in ("all_reduce", "all_gather") for o in prog.ops):
+        return 0  # and no registry (torch) needed
     from npuc.ir import DType, TensorType, all_ops
     from npuc.runtime.om_validate import attr_value
 
@@ -324,9 +326,14 @@ def validate_om(path: str) -> str:
         tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
         with om.section(WEIGHTS) as weights:
             checked = validate_model(path, m, weights, tokenizer)
+    if not checked.ops_checked:  # no torch here: the C loader checks the ops against its kernels
+        from npuc.runtime.native_session import check_ops
+
+        check_ops(path)
+    how = "against their schemas" if checked.ops_checked else "by the native runtime's kernels (no torch here)"
     plans = ", ".join(f"{p.name} arena {_b(p.plan.arena_bytes)}, lower bound {_b(p.plan.lower_bound_bytes)}"
                       for p in m.programs)
     return (f"ok: {path}: {len(sections)} sections (checksums match), {len(m.tensors)} tensors in bounds, "
-            f"{sum(len(p.ops) for p in m.programs)} ops checked against their schemas, memory plan of "
+            f"{sum(len(p.ops) for p in m.programs)} ops checked {how}, memory plan of "
             f"{checked.buffers} buffers valid ({plans}), weights {_b(m.weights_bytes)}"
             + (f", state {_b(m.state_bytes)}" if m.state_bytes else ""))

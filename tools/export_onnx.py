@@ -55,8 +55,8 @@ from onnx import AttributeProto, TensorProto, helper
 import npuc
 from npuc.errors import EXIT_IO, EXIT_USAGE, InternalError, NpucError
 from npuc.ir import DType, get_op
-from npuc.runtime.om_tools import _open
 from npuc.runtime.om_validate import attr_value, check_tensors
+from npuc.tools.om_tools import _open
 
 __all__ = ["DOMAIN", "MAPPING", "OPSET", "ExportSummary", "export_onnx", "onnx_model"]
 

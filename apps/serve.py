@@ -5,7 +5,7 @@ tokenizer stored in the .om), `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus text format). Built on Starlette and uvicorn (`pip install 'npuc[serve]'`);
 the runtime core does not import this module.
 
-One thread owns the session: it runs the scheduler (runtime/scheduler.py) and nothing
+One thread owns the session: it runs the scheduler (apps/scheduler.py) and nothing
 else touches the model. Each loop it takes new requests and cancellations, runs one
 step (admissions, then one decode step of every active slot) and hands each token to its
 request's asyncio queue. The HTTP side validates a request fully before it reaches the
@@ -32,10 +32,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from npuc.apps.generate import check_prompt, load_tokenizer_object, tokenizer_functions, tokenizer_section
+from npuc.apps.scheduler import Event, Scheduler
 from npuc.errors import NpucError
-from npuc.runtime.generate import check_prompt, load_tokenizer_object, tokenizer_functions
-from npuc.runtime.scheduler import Event, Scheduler
-from npuc.runtime.session import Session
 
 log = logging.getLogger("npuc.serve")
 
@@ -121,7 +120,7 @@ class Pending:
 class Engine:
     """The one thread that runs the model."""
 
-    def __init__(self, session: Session, max_queue: int) -> None:
+    def __init__(self, session: Any, max_queue: int) -> None:
         self.sched = Scheduler(session)
         self.max_queue = max_queue
         self.metrics = Metrics()
@@ -245,14 +244,16 @@ class App:
     """The Starlette application around one Engine."""
 
     def __init__(self, om: str, max_queue: int = 64, device: str = "cpu") -> None:
-        self.session = Session.load(om, device=device)
+        from npuc.runtime.executor import open_session
+
+        self.session = open_session(om, device=device)
         self.engine = Engine(self.session, max_queue)
         self.model_name = om.rsplit("/", 1)[-1].removesuffix(".om")
         self.info = self.engine.sched.info
         self.encode: Callable[[str], list[int]] | None = None
         self.decode: Callable[[list[int]], str] | None = None
         self.tokenizer: Any = None
-        if "tokenizer" in self.session.om.section_names():
+        if tokenizer_section(self.session) is not None:
             self.tokenizer = load_tokenizer_object(self.session)
             self.encode, self.decode = tokenizer_functions(self.tokenizer)
         self.draining = False

@@ -22,13 +22,12 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NPUC_AVX2 1
 #endif
 
-typedef int64_t i64;
-typedef uint16_t bf16;
 
 /* Prefetch about this many bytes ahead: the next rows of a slice lie end to end, one
  * stream that the hardware prefetcher, seeing four interleaved, picks up late. */
@@ -76,7 +75,7 @@ static inline int threads_for(i64 bytes, int nt) { return bytes < (64 << 10) ? 1
 #define MAX_WORKERS 63
 #define SPIN_NS 200000
 
-typedef void (*chunk_fn)(const void *ctx, i64 chunk, int tid);
+typedef npuc_chunk_fn chunk_fn;
 
 static struct {
     pthread_mutex_t mu;
@@ -90,6 +89,11 @@ static struct {
     _Atomic i64 done;
     _Atomic int sleeping;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+/* The pool is the library's one piece of process-wide mutable state (docs/c-api.md): its
+ * workers start on first need and live as long as the process. One job runs at a time:
+ * callers from several threads (sessions used concurrently) take turns through this lock. */
+static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -149,7 +153,21 @@ static void *worker(void *arg) {
 }
 
 /* Run fn(ctx, c, tid) for c in 0..chunks-1 on up to nt threads (the caller is tid 0). */
+static void parallel_locked(chunk_fn fn, const void *ctx, i64 chunks, int nt);
+
 static void parallel(chunk_fn fn, const void *ctx, i64 chunks, int nt) {
+    if (nt <= 1 || chunks <= 1) { /* no hand-off: no lock */
+        for (i64 c = 0; c < chunks; c++) fn(ctx, c, 0);
+        return;
+    }
+    pthread_mutex_lock(&job_lock);
+    parallel_locked(fn, ctx, chunks, nt);
+    pthread_mutex_unlock(&job_lock);
+}
+
+void npuc_parallel(npuc_chunk_fn fn, const void *ctx, i64 chunks, int nt) { parallel(fn, ctx, chunks, nt); }
+
+static void parallel_locked(chunk_fn fn, const void *ctx, i64 chunks, int nt) {
     if (nt > MAX_WORKERS + 1) nt = MAX_WORKERS + 1;
     if (nt > chunks) nt = (int)chunks;
     while (pool.workers < nt - 1) { /* started on first need; a failed start leaves fewer */

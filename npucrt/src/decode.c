@@ -1,0 +1,407 @@
+/* The decode loop: prefill into a slot, decode steps over every slot, greedy choice, and
+ * npuc_generate, which schedules many sequences over the slots (runtime/scheduler.py's
+ * algorithm, so that each sequence gets the tokens it gets alone, as there).
+ *
+ * A model compiled with `--max_seq_len N --input_shape input_ids:B,S` caches B sequences.
+ * Its prefill fills one slot from position 0 (the one its `slot` input names; a model of one
+ * slot has no such input), padding a shorter prompt on the right: attention is causal, so
+ * the padding changes neither the last prompt row's logits nor the cache rows before it, and
+ * decode overwrites the rows after it before any query sees them. Its decode runs C tokens
+ * (--decode_tokens) of every slot, each at its own positions.
+ *
+ * A slot that has nothing to feed in a step still runs (static shapes). It is fed again the
+ * last (token, position) it wrote, which writes the same key and value again: the same
+ * computation over the same cache rows, so the same bytes. A slot that never held a sequence
+ * is fed token 0 at position 0 of its own rows, which no sequence reads before a prefill
+ * writes them.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exec.h"
+
+static int32_t find_program(const npuc_model *m, const char *name) {
+    for (int32_t p = 0; p < m->n_programs; p++)
+        if (strcmp(m->programs[p].name, name) == 0) return p;
+    return -1;
+}
+
+static int32_t find_input(const npuc_model *m, int32_t prog, const char *name) {
+    const rt_program *p = &m->programs[prog];
+    for (int32_t i = 0; i < p->n_inputs; i++)
+        if (strcmp(m->tensors[p->inputs[i]].name, name) == 0) return i;
+    return -1;
+}
+
+static int32_t find_output(const npuc_model *m, int32_t prog, const char *name) {
+    const rt_program *p = &m->programs[prog];
+    for (int32_t i = 0; i < p->n_outputs; i++)
+        if (strcmp(m->tensors[p->outputs[i]].name, name) == 0) return i;
+    return -1;
+}
+
+static const char *meta(const npuc_model *m, const char *key) {
+    for (int32_t i = 0; i < m->n_meta; i++)
+        if (strcmp(m->meta[i].key, key) == 0) return m->meta[i].value;
+    return NULL;
+}
+
+/* The ids input of prefill: its first input that is neither last_token nor slot. */
+static int32_t ids_input(const npuc_model *m, int32_t prefill) {
+    const rt_program *p = &m->programs[prefill];
+    for (int32_t i = 0; i < p->n_inputs; i++) {
+        const char *n = m->tensors[p->inputs[i]].name;
+        if (strcmp(n, "last_token") && strcmp(n, "slot")) return i;
+    }
+    return -1;
+}
+
+int rt_generation_setup(npuc_model *m, npuc_error *err) {
+    (void)err;
+    m->has_gen = 0;
+    int32_t pf = find_program(m, "prefill"), dc = find_program(m, "decode");
+    const char *msl = meta(m, "max_seq_len");
+    if (pf < 0 || dc < 0 || msl == NULL) return 0;
+    int32_t ids = ids_input(m, pf);
+    if (ids < 0) return 0;
+    const rt_tensor *t = &m->tensors[m->programs[pf].inputs[ids]];
+    int32_t dids = find_input(m, dc, t->name);
+    int32_t lo_p = find_output(m, pf, "logits"), lo_d = find_output(m, dc, "logits");
+    if (dids < 0 || lo_p < 0 || lo_d < 0 || t->rank != 2 || m->programs[dc].n_inputs != 2) return 0;
+    const rt_tensor *dt = &m->tensors[m->programs[dc].inputs[dids]];
+    const rt_tensor *lp = &m->tensors[m->programs[pf].outputs[lo_p]];
+    const rt_tensor *ld = &m->tensors[m->programs[dc].outputs[lo_d]];
+    if (dt->rank != 2 || lp->rank < 1 || ld->rank != 3 || lp->dtype != NPUC_F32 || ld->dtype != NPUC_F32 ||
+        t->dtype != NPUC_I64 || dt->dtype != NPUC_I64 || lp->shape[lp->rank - 1] != ld->shape[2] ||
+        ld->shape[0] != dt->shape[0] || (ld->shape[1] != 1 && ld->shape[1] != dt->shape[1]))
+        return 0; /* a layout generation does not read: the programs still run */
+    npuc_generation_info *g = &m->gen;
+    memset(g, 0, sizeof *g);
+    g->max_seq_len = (int32_t)strtol(msl, NULL, 10); /* validate.c checked it is a positive integer */
+    g->prefill_len = (int32_t)t->shape[1];
+    g->slots = (int32_t)dt->shape[0];
+    g->decode_tokens = (int32_t)dt->shape[1];
+    g->logits_width = ld->shape[2];
+    g->vocab = g->logits_width;
+    const rt_program *p = &m->programs[pf];
+    for (int32_t k = 0; k < p->n_ops; k++) { /* the rows of the table the ids index (Session.index_rows) */
+        const rt_op *op = &p->ops[k];
+        if (strcmp(op->op, "gather") == 0 && op->n_inputs > 1 && op->inputs[1] == p->inputs[ids]) {
+            const rt_tensor *table = &m->tensors[op->inputs[0]];
+            if (table->region == REGION_WEIGHTS && table->rank > 0) {
+                int64_t axis = rt_attr_i(op, "axis", 0) % table->rank;
+                g->vocab = table->shape[axis < 0 ? axis + table->rank : axis];
+                break;
+            }
+        }
+    }
+    const char *eos = meta(m, "eos_token_id");
+    int32_t n = 0;
+    for (const char *c = eos; c != NULL && *c; c++) n += *c == ',';
+    if (eos != NULL && *eos) n++;
+    m->eos = n ? pool_alloc(&m->pool, sizeof(int64_t) * (size_t)n) : NULL;
+    if (n && m->eos == NULL) return rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    const char *c = eos;
+    for (int32_t k = 0; k < n; k++) {
+        char *end;
+        m->eos[k] = strtoll(c, &end, 10);
+        c = *end == ',' ? end + 1 : end;
+    }
+    g->n_eos = n;
+    g->eos = m->eos;
+    m->has_gen = 1;
+    return 0;
+}
+
+int npuc_model_generation_info(const npuc_model *m, npuc_generation_info *info, npuc_error *err) {
+    if (m == NULL || info == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    if (!m->has_gen)
+        return rt_fail(err, NPUC_E_NO_PROGRAM, "compile it with --max_seq_len N",
+                       "the model has no prefill and decode programs to generate with");
+    *info = m->gen;
+    return NPUC_OK;
+}
+
+/* The first index of the largest value (a NaN counts as the largest, as torch.argmax). */
+static int64_t argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(x[i])) return i;
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
+
+static int prompt_ok(const npuc_model *m, const int64_t *tokens, int32_t n, npuc_error *err) {
+    const npuc_generation_info *g = &m->gen;
+    if (tokens == NULL || n < 1)
+        return rt_fail(err, NPUC_E_PROMPT, "give at least one token id", "the prompt is empty");
+    if (n >= g->max_seq_len)
+        return rt_fail(err, NPUC_E_PROMPT, "shorten the prompt or recompile with a larger --max_seq_len",
+                       "the prompt has %d tokens; the model caches %d", (int)n, (int)g->max_seq_len);
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= g->vocab) {
+            char hint[64];
+            snprintf(hint, sizeof hint, "prompt ids are 0..%lld", (long long)g->vocab - 1);
+            return rt_fail(err, NPUC_E_PROMPT, hint, "token id %lld is outside the model's vocabulary of %lld",
+                           (long long)tokens[i], (long long)g->vocab);
+        }
+    return 0;
+}
+
+/* The decode step proper: ids/pos already laid out [slots * C]; writes each slot's row. */
+static int decode_run(npuc_session *s, const int64_t *ids, const int64_t *pos, const int32_t *fed, float *logits,
+                      int64_t *next, npuc_error *err) {
+    const npuc_model *m = rt_session_model(s);
+    const npuc_generation_info *g = &m->gen;
+    int32_t dc = find_program(m, "decode");
+    int32_t i_ids = find_input(m, dc, m->tensors[m->programs[find_program(m, "prefill")].inputs[
+                                             ids_input(m, find_program(m, "prefill"))]].name);
+    int32_t i_pos = 1 - i_ids;
+    uint64_t n = (uint64_t)g->slots * (uint64_t)g->decode_tokens * sizeof(int64_t);
+    const rt_tensor *pt = &m->tensors[m->programs[dc].inputs[i_pos]];
+    int rc = rt_session_set_input(s, dc, i_ids, ids, n, err);
+    if (!rc) rc = rt_session_set_input(s, dc, i_pos, pos, pt->nbytes == n ? n : pt->nbytes + 1, err);
+    if (!rc) rc = rt_session_execute(s, dc, err);
+    if (rc) return rc;
+    const void *view;
+    npuc_session_output_view(s, dc, find_output(m, dc, "logits"), &view);
+    const rt_tensor *lt = &m->tensors[m->programs[dc].outputs[find_output(m, dc, "logits")]];
+    int64_t rows = lt->shape[1], V = g->logits_width;
+    for (int32_t k = 0; k < g->slots; k++) {
+        int32_t f = fed[k] > 0 ? fed[k] : 1;
+        const float *row = (const float *)view + ((int64_t)k * rows + (rows == g->decode_tokens ? f - 1 : rows - 1)) * V;
+        if (logits != NULL) memcpy(logits + (int64_t)k * V, row, (size_t)V * sizeof(float));
+        if (next != NULL) next[k] = argmax(row, V);
+    }
+    return 0;
+}
+
+int npuc_decode_step(npuc_session *s, const int64_t *tokens, const int64_t *positions, const int32_t *n_fed,
+                     float *logits, int64_t *next_tokens, npuc_error *err) {
+    if (s == NULL || tokens == NULL || positions == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    const npuc_model *m = rt_session_model(s);
+    if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
+    const npuc_generation_info *g = &m->gen;
+    int32_t C = g->decode_tokens, B = g->slots;
+    int64_t *track = rt_session_slot_track(s);
+    int64_t *ids = malloc(sizeof(int64_t) * 2 * (size_t)B * (size_t)C);
+    int32_t *fed = malloc(sizeof(int32_t) * (size_t)B);
+    if (ids == NULL || fed == NULL) {
+        free(ids);
+        free(fed);
+        return rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    }
+    int64_t *pos = ids + (size_t)B * (size_t)C;
+    int rc = 0;
+    for (int32_t k = 0; k < B && !rc; k++) {
+        int32_t f = n_fed != NULL ? n_fed[k] : C;
+        if (f < 0 || f > C) rc = rt_fail(err, NPUC_E_ARG, "", "n_fed[%d] = %d is not 0..%d", (int)k, (int)f, (int)C);
+        fed[k] = f;
+        for (int32_t i = 0; i < C && !rc; i++) {
+            int32_t j = f ? (i < f ? i : f - 1) : 0;
+            int64_t tok = f ? tokens[k * C + j] : (track[2 * k] >= 0 ? track[2 * k] : 0);
+            int64_t p = f ? positions[k * C + j] : (track[2 * k] >= 0 ? track[2 * k + 1] : 0);
+            ids[k * C + i] = tok;
+            pos[k * C + i] = p;
+        }
+    }
+    if (!rc) rc = decode_run(s, ids, pos, fed, logits, next_tokens, err);
+    if (!rc)
+        for (int32_t k = 0; k < B; k++)
+            if (fed[k]) track[2 * k] = ids[k * C + fed[k] - 1], track[2 * k + 1] = pos[k * C + fed[k] - 1];
+    free(ids);
+    free(fed);
+    return rc;
+}
+
+/* Prefill `n` (<= prefill_len) tokens into slot k; the last prompt row's logits into `row`. */
+static int prefill_run(npuc_session *s, int32_t slot, const int64_t *tokens, int32_t n, float *row, npuc_error *err) {
+    const npuc_model *m = rt_session_model(s);
+    const npuc_generation_info *g = &m->gen;
+    int32_t pf = find_program(m, "prefill");
+    int32_t i_ids = ids_input(m, pf), i_last = find_input(m, pf, "last_token"), i_slot = find_input(m, pf, "slot");
+    if (i_slot < 0 && slot != 0)
+        return rt_fail(err, NPUC_E_INPUT, "", "the model's prefill fills slot 0 only (it has one slot)");
+    int64_t *buf = calloc((size_t)g->prefill_len, sizeof(int64_t));
+    if (buf == NULL) return rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    memcpy(buf, tokens, (size_t)n * sizeof(int64_t));
+    int64_t last = n - 1, k = slot;
+    int rc = rt_session_set_input(s, pf, i_ids, buf, (uint64_t)g->prefill_len * sizeof(int64_t), err);
+    free(buf);
+    if (!rc && i_last >= 0) rc = rt_session_set_input(s, pf, i_last, &last, sizeof last, err);
+    if (!rc && i_slot >= 0) rc = rt_session_set_input(s, pf, i_slot, &k, sizeof k, err);
+    if (!rc) rc = rt_session_execute(s, pf, err);
+    if (rc) return rc;
+    int32_t lo = find_output(m, pf, "logits");
+    const void *view;
+    npuc_session_output_view(s, pf, lo, &view);
+    int64_t V = g->logits_width;
+    memcpy(row, (const float *)view + (i_last >= 0 ? 0 : last) * V, (size_t)V * sizeof(float));
+    int64_t *track = rt_session_slot_track(s);
+    track[2 * slot] = tokens[n - 1], track[2 * slot + 1] = n - 1;
+    return 0;
+}
+
+int npuc_prefill(npuc_session *s, int32_t slot, const int64_t *tokens, int32_t n, float *logits, int64_t *next_token,
+                 npuc_error *err) {
+    if (s == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    const npuc_model *m = rt_session_model(s);
+    if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
+    const npuc_generation_info *g = &m->gen;
+    int rc = prompt_ok(m, tokens, n, err);
+    if (rc) return rc;
+    if (slot < 0 || slot >= g->slots)
+        return rt_fail(err, NPUC_E_INPUT, "", "slot [%d] is outside the model's %d slots", (int)slot, (int)g->slots);
+    int64_t V = g->logits_width, B = g->slots, C = g->decode_tokens;
+    float *row = malloc((size_t)(V * B) * sizeof(float));
+    int64_t *ids = calloc((size_t)(2 * B * C), sizeof(int64_t));
+    int32_t *fed = calloc((size_t)B, sizeof(int32_t));
+    if (row == NULL || ids == NULL || fed == NULL) {
+        free(row), free(ids), free(fed);
+        return rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    }
+    int32_t first = n < g->prefill_len ? n : g->prefill_len;
+    rc = prefill_run(s, slot, tokens, first, row, err);
+    /* The rest of a long prompt: decode steps feeding this slot alone (the others repeat). */
+    int64_t *pos = ids + B * C;
+    for (int32_t at = first; !rc && at < n;) {
+        int32_t f = (int32_t)(n - at < C ? n - at : C);
+        for (int32_t i = 0; i < C; i++) {
+            int32_t j = i < f ? i : f - 1;
+            ids[slot * C + i] = tokens[at + j];
+            pos[slot * C + i] = at + j;
+        }
+        fed[slot] = f;
+        rc = npuc_decode_step(s, ids, pos, fed, row, NULL, err);
+        if (!rc) memmove(row, row + (int64_t)slot * V, (size_t)V * sizeof(float));
+        at += f;
+    }
+    if (!rc) {
+        if (logits != NULL) memcpy(logits, row, (size_t)V * sizeof(float));
+        if (next_token != NULL) *next_token = argmax(row, V);
+    }
+    free(row), free(ids), free(fed);
+    return rc;
+}
+
+/* ---- npuc_generate: runtime/scheduler.py's Scheduler, in C ----------------------------------- */
+
+typedef struct {
+    int32_t seq;        /* index in seqs, -1 free */
+    int64_t pos;        /* the position the next fed token is written at */
+    int32_t next;       /* the prompt's next token to feed */
+    int64_t pending;    /* the last chosen token, to feed; -1 none */
+} slot_state;
+
+static int is_eos(const npuc_generation_info *g, int64_t t) {
+    for (int32_t i = 0; i < g->n_eos; i++)
+        if (g->eos[i] == t) return 1;
+    return 0;
+}
+
+/* A token for sequence q: record it, call back, and say whether the sequence ends. */
+static int choose(const npuc_generation_info *g, npuc_sequence *q, int32_t qi, slot_state *st, int64_t token,
+                  npuc_token_callback cb, void *user) {
+    if (q->out_tokens != NULL && q->n_out < q->max_new_tokens) q->out_tokens[q->n_out] = token;
+    q->n_out++;
+    int stop = cb != NULL ? cb(user, qi, token) : 0;
+    if (is_eos(g, token) && !q->ignore_eos) q->finish_reason = NPUC_FINISH_STOP;
+    else if (q->n_out >= q->max_new_tokens) q->finish_reason = NPUC_FINISH_LENGTH;
+    else if (st->pos >= g->max_seq_len) q->finish_reason = NPUC_FINISH_CACHE_FULL;
+    else if (stop) q->finish_reason = NPUC_FINISH_CALLBACK;
+    else st->pending = token;
+    if (q->finish_reason) st->seq = -1;
+    return 0;
+}
+
+int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
+                  npuc_error *err) {
+    if (s == NULL || (n_seqs > 0 && seqs == NULL)) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    const npuc_model *m = rt_session_model(s);
+    if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
+    const npuc_generation_info *g = &m->gen;
+    for (int32_t q = 0; q < n_seqs; q++) { /* every prompt before any runs */
+        int rc = prompt_ok(m, seqs[q].prompt, seqs[q].prompt_len, err);
+        if (rc) return rc;
+        if (seqs[q].max_new_tokens < 1)
+            return rt_fail(err, NPUC_E_PROMPT, "ask for at least one token", "max_new_tokens is %d",
+                           (int)seqs[q].max_new_tokens);
+        seqs[q].n_out = 0, seqs[q].finish_reason = 0;
+    }
+    int32_t B = g->slots, C = g->decode_tokens;
+    int64_t V = g->logits_width;
+    slot_state *sl = calloc((size_t)B, sizeof *sl);
+    int64_t *ids = calloc((size_t)(2 * B * C), sizeof(int64_t));
+    int32_t *fed = calloc((size_t)B, sizeof(int32_t));
+    float *row = malloc((size_t)(V * B) * sizeof(float));
+    int64_t *next = calloc((size_t)B, sizeof(int64_t));
+    int rc = 0;
+    if (sl == NULL || ids == NULL || fed == NULL || row == NULL || next == NULL)
+        rc = rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    int64_t *pos = ids + (int64_t)B * C;
+    for (int32_t k = 0; k < B; k++) sl[k].seq = -1;
+    int32_t queued = 0;
+    while (!rc) {
+        int active = 0;
+        for (int32_t k = 0; k < B; k++) active += sl[k].seq >= 0;
+        /* admit queued sequences into free slots */
+        for (int32_t k = 0; k < B && !rc && queued < n_seqs; k++) {
+            if (sl[k].seq >= 0) continue;
+            npuc_sequence *q = &seqs[queued];
+            slot_state *st = &sl[k];
+            st->seq = queued++;
+            st->pending = -1;
+            if (C > 1 && active) { /* slots are decoding: the prompt goes through decode steps (chunked prefill) */
+                st->pos = 0, st->next = 0;
+                active++;
+                continue;
+            }
+            int32_t n = q->prompt_len < g->prefill_len ? q->prompt_len : g->prefill_len;
+            rc = prefill_run(s, k, q->prompt, n, row, err);
+            if (rc) break;
+            st->pos = n, st->next = n;
+            active++;
+            if (st->next == q->prompt_len) choose(g, q, st->seq, st, argmax(row, V), cb, user);
+        }
+        if (rc) break;
+        active = 0;
+        for (int32_t k = 0; k < B; k++) active += sl[k].seq >= 0;
+        if (!active) {
+            if (queued >= n_seqs) break;
+            continue;
+        }
+        for (int32_t k = 0; k < B; k++) {
+            slot_state *st = &sl[k];
+            fed[k] = 0;
+            if (st->seq < 0) continue;
+            const npuc_sequence *q = &seqs[st->seq];
+            int32_t left = q->prompt_len - st->next, f = 0;
+            for (int32_t i = 0; i < C; i++) {
+                if (i < left) ids[k * C + i] = q->prompt[st->next + i], f++;
+                else if (i == left && st->pending >= 0) ids[k * C + i] = st->pending, f++;
+                else break;
+                pos[k * C + i] = st->pos + i;
+            }
+            fed[k] = f;
+        }
+        rc = npuc_decode_step(s, ids, pos, fed, row, next, err);
+        if (rc) break;
+        for (int32_t k = 0; k < B; k++) {
+            slot_state *st = &sl[k];
+            if (st->seq < 0 || fed[k] == 0) continue;
+            npuc_sequence *q = &seqs[st->seq];
+            int32_t left = q->prompt_len - st->next;
+            int32_t from_prompt = fed[k] < left ? fed[k] : left;
+            st->next += from_prompt;
+            if (fed[k] > from_prompt) st->pending = -1;
+            st->pos += fed[k];
+            if (st->next == q->prompt_len && st->pending < 0)
+                choose(g, q, st->seq, st, next[k], cb, user);
+        }
+    }
+    free(sl), free(ids), free(fed), free(row), free(next);
+    return rc;
+}

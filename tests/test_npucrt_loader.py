@@ -1,0 +1,366 @@
+"""libnpucrt's loader (npucrt/src/{util,sha256,om,validate,model_api}.c) against the Python side.
+
+The C loader ports the container checks (backend/om_format.py), the join of the model
+sections (backend/om_sections.py) and runtime/om_validate.py's checks but for the per-op
+registry rules, which the executor's binders apply instead. So each file here is loaded by:
+
+    the C loader       npuc_model_load_file, with a stub executor that accepts every op
+    python (ported)    OmFile.open + join_model + validate_model with check_ops cut down to
+                       the part C ports (what is written where), + check_rank
+    python (full)      the same with every check, as Session.__init__ runs them
+
+and the C loader must give the ported reference's code, and its message word for word (but
+where noted in MESSAGE_MAY_DIFFER). Where the full reference refuses and the ported one
+does not, the refusal is one of the binders' (an unknown op, a shape rule): counted, not
+compared. The files: the fuzz corpus, the om_fuzz seeds, the hostile edits of
+tests/test_om_validate.py, malformed tokenizer sections, and seeded om_fuzz mutants.
+Then the same files and more mutants go through an ASan + UBSan build of the loader
+(npucrt/tests/load_driver.c), which must report nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import npucrt_util
+from tests.fuzz import om_fuzz
+
+pytestmark = pytest.mark.skipif(npucrt_util.compiler() is None, reason="no C compiler")
+
+# Messages the C loader words differently, by design: Python names the program set in its
+# hash order; a workspace outside the arena is refused without the size the op's rule needs.
+MESSAGE_MAY_DIFFER = re.compile(r"names a program the model does not have|has a workspace of \d+ bytes in")
+
+
+# ---------------------------------------------------------------- the Python references
+
+def _ported_check_ops(path: str, m: Any, prog: Any, *_: Any) -> None:
+    """om_validate.check_ops without the registry: only what the C loader checks itself."""
+    from npuc.runtime.om_validate import E_INVALID, bad
+
+    def writable(i: int, why: str) -> None:
+        if m.tensors[i].region == "weights":
+            raise bad(E_INVALID, f"{path}: tensor {m.tensors[i].name!r} {why} in program {prog.name!r} but lies in "
+                                 "the read-only weights")
+
+    for kind, ids in (("input", prog.inputs), ("output", prog.outputs)):
+        names = [m.tensors[i].name for i in ids]
+        if len(set(names)) != len(names):
+            raise bad(E_INVALID, f"{path}: program {prog.name!r} has two {kind}s of one name: {names}")
+    for i in prog.inputs:
+        writable(i, "is an input")
+        if m.tensors[i].region != "arena":
+            raise bad(E_INVALID, f"{path}: input {m.tensors[i].name!r} of program {prog.name!r} is not in the arena")
+    for i in prog.outputs:
+        writable(i, "is an output")
+    for op in prog.ops:
+        for o in op.outputs:
+            writable(o, f"is written by op {op.name!r}")
+        if op.op == "kv_write" and op.inputs:  # the registry's only in-place op (OpDef.inplace = 0)
+            writable(op.inputs[0], f"is updated in place by op {op.name!r}")
+        if op.HasField("workspace"):
+            w = m.tensors[op.workspace]
+            if w.region != "arena":
+                raise bad(E_INVALID, f"{path}: op {op.name!r} has a workspace of {w.nbytes} bytes in {w.region}; "
+                                     "it needs one in the arena")
+
+
+def _kept_strings(model: Any, plans: Any, tasks: Any) -> Iterator[str]:
+    """Every string the C loader keeps (or compares): those may not hold a NUL there."""
+    yield from (model.producer, model.producer_version, model.target)
+    for t in model.tensors:
+        yield from (t.name, t.dtype, t.region)
+    for p in model.programs:
+        yield p.name
+        for op in p.ops:
+            yield from (op.op, op.name)
+            for a in op.attrs:
+                yield from (a.name, a.value.s, a.value.dtype)
+    for e in model.metadata:
+        yield from (e.key, e.value)
+    yield from (p.program for p in plans.plans)
+    for pt in tasks.programs:
+        yield pt.program
+        yield from (t.unit for t in pt.tasks)
+
+
+def _has_nul(om: Any) -> bool:
+    from npuc.backend.om_schema import Metadata, ModelDef, Plans, Tasks
+
+    msgs = []
+    for name, cls in (("modeldef", ModelDef), ("plan", Plans), ("tasks", Tasks), ("metadata", Metadata)):
+        msg = cls()
+        try:
+            msg.ParseFromString(bytes(om.section(name)))
+        except Exception:  # noqa: BLE001 - not ours to judge here: the references refuse it
+            return False
+        msgs.append(msg)
+    model, plans, tasks, meta = msgs
+    model.metadata.extend(meta.entries)
+    return any("\0" in s for s in _kept_strings(model, plans, tasks))
+
+
+@contextlib.contextmanager
+def _ported_only() -> Iterator[None]:
+    from npuc.runtime import om_validate
+
+    full = om_validate.check_ops
+    om_validate.check_ops = _ported_check_ops
+    try:
+        yield
+    finally:
+        om_validate.check_ops = full
+
+
+def python_load(path: str, ported: bool) -> tuple[int, str]:
+    """(code, message) of the Python side's load without running anything; (0, "") when it
+    loads; (-1, what) when it raises something other than NpucError."""
+    from npuc.backend.om_format import OmFile
+    from npuc.backend.om_sections import MODEL_SECTIONS, join_model
+    from npuc.errors import NpucError
+    from npuc.runtime import parallel
+    from npuc.runtime.om_validate import validate_model
+
+    try:
+        with OmFile.open(path) as om:
+            model = join_model(om.path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
+            if _has_nul(om):
+                return 405, "\0"  # C strings: the C loader refuses the section as not parsing
+            tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
+            with om.section("weights") as weights, (_ported_only() if ported else contextlib.nullcontext()):
+                validate_model(str(om.path), model, weights, tokenizer)
+            parallel.check_rank(om.path, {e.key: e.value for e in model.metadata})
+        return 0, ""
+    except NpucError as e:
+        return int(e.code.removeprefix("NPUC-E")), e.message
+    except Exception as e:  # noqa: BLE001 - a crash of the reference: reported by the caller
+        return -1, f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = tmp_path_factory.mktemp("npucrt")
+    path = npucrt_util.build(out, sources=npucrt_util.LOADER_SOURCES, stub_exec=True, warnings=True)
+    return npucrt_util.open_lib(path)
+
+
+@pytest.fixture(scope="module")
+def seeds() -> list[Path]:
+    return om_fuzz.seed_files()
+
+
+def _write(dirpath: Path, name: str, data: bytes) -> Path:
+    p = dirpath / name
+    p.write_bytes(data)
+    return p
+
+
+def compare(lib: Any, path: Path, stats: Counter[str] | None = None) -> None:
+    """The C loader against the ported reference (code, and message but where it may differ)."""
+    code, message, _ = npucrt_util.load_raw(lib, path)
+    want, want_msg = python_load(str(path), ported=True)
+    if stats is not None:
+        full, _ = python_load(str(path), ported=False)
+        stats["loads" if full == 0 else ("refused: ported check" if full == want else "refused: binders' check")] += 1
+        stats[f"C {code}"] += 1
+    assert want != -1, f"{path.name}: the ported reference crashed: {want_msg}"
+    assert code == want, f"{path.name}: C says {code} {message!r}, Python {want} {want_msg!r}"
+    if want_msg != "\0" and not MESSAGE_MAY_DIFFER.search(want_msg):
+        py = want_msg.encode()
+        assert message == py[:767], f"{path.name}:\n C: {message!r}\n Py: {py!r}"
+
+
+def _mutants(seeds: list[Path], seed: int, n: int) -> Iterator[tuple[str, bytes]]:
+    data = [p.read_bytes() for p in seeds]
+    for i in range(n):
+        yield om_fuzz.mutant(data, seed, i)
+
+
+# ---------------------------------------------------------------- (a) SHA-256
+
+def test_sha256_matches_hashlib(tmp_path: Path) -> None:
+    """Both block functions (SHA-NI where the CPU has it, and the portable rounds), one call and
+    incremental, against hashlib: every length 0..300 and a few MB."""
+    rng = random.Random(7)
+    inputs = [rng.randbytes(n) for n in range(301)] + [rng.randbytes(3 << 20), rng.randbytes((2 << 20) + 77)]
+    for defines in ((), ("NPUC_NO_SHA_NI",)):
+        exe = npucrt_util.build_exe(tmp_path, "npucrt/tests/sha_driver.c", sanitize=False, sources=["sha256.c"],
+                                    name="sha" + "_".join(defines), defines=defines)
+        for data in inputs:
+            out = subprocess.run([str(exe)], input=data, capture_output=True, check=True, timeout=60).stdout.split()
+            want = hashlib.sha256(data).hexdigest().encode()
+            assert out == [want, want], (defines, len(data))
+
+
+# ---------------------------------------------------------------- (b) the same answers as Python
+
+def test_seeds_and_corpus_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    corpus = sorted(om_fuzz.CORPUS.glob("*.om"))
+    for p in [*seeds, *corpus]:
+        compare(lib, p)
+    for p in seeds:  # a valid file loads in C too
+        assert npucrt_util.load(lib, p) == (0, ""), p
+
+
+def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    data = seeds[0].read_bytes()
+    img = om_fuzz.OmImage.parse(data)
+    cases = {
+        "empty": b"", "short_magic": data[:5], "short_header": data[:40], "foreign": b"PK\x03\x04" + bytes(100),
+        "foreign_short": b"GIF89a", "just_header": data[:64], "truncated": data[:-1], "extra": data + b"\0",
+        "version": data[:8] + (2).to_bytes(4, "little") + data[12:],
+        "flags": data[:12] + (0x1f).to_bytes(4, "little") + data[16:],
+        "reserved": data[:20] + b"\1" + data[21:], "pad": data[:63] + b"\1" + data[64:],
+        "table_hash": data[:24] + bytes(32) + data[56:],
+        "payload": data[:-1] + bytes([data[-1] ^ 1]),
+    }
+    no_weights = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "weights"]).seal()
+    no_plan = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "plan"]).seal()
+    cases.update(no_weights=no_weights, no_plan=no_plan,
+                 renamed=om_fuzz.OmImage([("bad name!" if n == "tasks" else n, d) for n, d in img.sections]).seal(),
+                 twice=om_fuzz.OmImage([*img.sections[:1], *img.sections]).seal(),
+                 quote=om_fuzz.OmImage([("it's" if n == "tasks" else n, d) for n, d in img.sections]).seal())
+    for name, blob in cases.items():
+        compare(lib, _write(tmp_path, f"{name}.om", blob))
+    compare(lib, tmp_path)  # a directory
+    compare(lib, tmp_path / "missing.om")
+
+
+def test_hostile_edits_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """tests/test_om_validate.py's attacker edits (every checksum re-sealed), on the kv seed."""
+    from tests.test_om_validate import CASES, rewrite
+
+    kv = next(p for p in seeds if p.name == "kv.om")
+    for name, edit, _, _ in CASES:
+        with contextlib.suppress(StopIteration):  # an edit that needs an op the tiny seed lacks
+            compare(lib, rewrite(kv, tmp_path / f"{name}.om", edit))
+
+
+def _tokenizers() -> list[bytes]:
+    b64 = base64.b64encode(b"tokenizer bytes").decode()
+    texts = [
+        b"not json", b"[1, 2]", b"", b"   ", b"{}", b"null", b"\xff\xfe", b"e30=", b"{\"a\": 1}",
+        json.dumps({"tokenizer.json": "@@not base64@@"}).encode(),
+        json.dumps({"../../etc/passwd": base64.b64encode(b"x").decode()}).encode(),
+        json.dumps({"tokenizer.json": 7}).encode(), json.dumps({"tokenizer.json": b64}).encode(),
+        json.dumps({"a": b64, "b": b64, "a": "!"}).encode(), b'{"a": "QQ==", "a": "QUFB", "b": 1}',
+        b'{"a": "QQ==", "b": 1, "a": 2}', json.dumps({".hidden": b64}).encode(), json.dumps({"": b64}).encode(),
+        json.dumps({"x\u0000y": b64}).encode(), json.dumps({"d/e": b64}).encode(),
+        json.dumps({"\ud800": b64}).encode(), json.dumps({"caf\u00e9 \u2028 '\"": "!"}).encode(),
+        "{\"é\": \"QQ==\"}".encode("utf-16"), "{\"é\": 1}".encode("utf-16-le"), "{\"a\": 2}".encode("utf-32"),
+        "{\"a\": 2}".encode("utf-32-be"), b"\xef\xbb\xbf{\"a\": 3}", b'{"a": [1, {"b": [NaN, -Infinity]}], "c": 0}',
+        b'{"a": -0.5e+3}', b'{"a": 01}', b'{"a": 1.}', b'{"a": .5}', b'{"a": "\\u00e9\\ud83d\\ude00"}',
+        b'{"a": "\\x"}', b'{"a": "tab\there"}', b'{"a": "x",}', b'{"a" "x"}', b'{a: "x"}', b"[" * 50 + b"]" * 50,
+        b'{"a": "QUJD\\nREVG"}', b'{"\\u0041": "QUJD", "A": 5}', b'{"a": "AAAA=="}', b'{"a": "A=AA"}',
+        b'{"a": "AAA=="}', b'{"a": "AA"}', b'{"a": "=AAA"}', b'{"a": "AAAAA"}', b'{"a": "\xc3\xa9"}', b"{} x",
+        b'{"a": tru}', b'{"a": true} ', b'\t{"a": "QQ=="}\r\n', b'{"a": "\xed\xa0\x80"}', b'{"a": "\xc0\xaf"}',
+    ]
+    rng = random.Random(3)
+    alphabet = list('{}[]":,. -+01eE\\u"abAQ=/ \n') + ["null", "true", "NaN", '"QQ=="', '"a"']
+    for _ in range(120):
+        texts.append("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 24))).encode())
+    return texts
+
+
+def test_tokenizer_sections_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    img = om_fuzz.OmImage.parse(seeds[1].read_bytes())
+    for i, text in enumerate(_tokenizers()):
+        sections = [(n, d) for n, d in img.sections if n != "tokenizer"]
+        sections.insert(len(sections) - 1, ("tokenizer", text))  # before the weights, as the writer puts it
+        compare(lib, _write(tmp_path, f"tok{i}.om", om_fuzz.OmImage(sections).seal()))
+
+
+def test_memory_cap_agrees(lib: Any, seeds: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    for cap in ("1K", " 2m ", "100000", "64kb", "1T", "junk", "99999999999999999999999G"):
+        monkeypatch.setenv("NPUC_MAX_MEMORY", cap)
+        compare(lib, seeds[1])
+
+
+def test_mutants_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """om_fuzz's mutants (bit flips, truncation, table and protobuf edits, raw section bytes,
+    weights and tokenizer edits, all re-sealed), seeded."""
+    stats: Counter[str] = Counter()
+    for i, (kind, data) in enumerate(_mutants(seeds, 11, 400)):
+        path = _write(tmp_path, f"m{i}.om", data)
+        try:
+            compare(lib, path, stats)
+        except AssertionError as e:
+            raise AssertionError(f"mutant {i} ({kind}): {e}") from None
+        path.unlink()
+    assert stats["refused: ported check"] > 100, stats
+
+
+def test_section_bytes_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """The protobuf decoder against upb's: random bytes edits inside the model sections."""
+    rng = random.Random(5)
+    images = [om_fuzz.OmImage.parse(p.read_bytes()) for p in seeds]
+    for i in range(300):
+        img = om_fuzz.OmImage(list(rng.choice(images).sections))
+        name = rng.choice(["modeldef", "modeldef", "plan", "tasks", "metadata"])
+        raw = bytearray(img.get(name) or b"")
+        if not raw:
+            continue
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            k = rng.randrange(4)
+            at = rng.randrange(len(raw))
+            if k == 0:
+                raw[at] = rng.randrange(256)
+            elif k == 1:
+                raw[at] = rng.choice([0x08, 0x0a, 0x10, 0x12, 0x1a, 0x22, 0x0b, 0x0c, 0x80, 0xff, 0x00, 0x7f])
+            elif k == 2:
+                del raw[at:at + rng.randrange(1, 4)]
+            else:
+                raw[at:at] = rng.randbytes(rng.randrange(1, 4))
+        img.put(name, bytes(raw))
+        path = _write(tmp_path, f"s{i}.om", img.seal())
+        compare(lib, path)
+        path.unlink()
+
+
+def test_full_library_refuses_alike(seeds: list[Path], tmp_path: Path) -> None:
+    """With the real executor (exec.c, once it exists), what the loader refuses is refused the same."""
+    if not (npucrt_util.SRC / "exec.c").exists():
+        pytest.skip("npucrt/src/exec.c is not written yet")
+    full = npucrt_util.open_lib(npucrt_util.build(tmp_path / "full"))
+    stub = npucrt_util.open_lib(npucrt_util.build(tmp_path / "stub", sources=npucrt_util.LOADER_SOURCES,
+                                                  stub_exec=True))
+    for i, (_, data) in enumerate(_mutants(seeds, 13, 60)):
+        p = _write(tmp_path, f"f{i}.om", data)
+        got = npucrt_util.load(stub, p)
+        if got[0]:
+            assert npucrt_util.load(full, p) == got
+
+
+# ---------------------------------------------------------------- (c) sanitizers
+
+def test_loader_under_sanitizers(seeds: list[Path], tmp_path: Path) -> None:
+    """ASan + UBSan over the corpus, the seeds and a few hundred mutants: no report, exit 0,
+    and the file and buffer loads agree (npucrt/tests/load_driver.c)."""
+    exe = npucrt_util.build_exe(tmp_path, "npucrt/tests/load_driver.c", sanitize=True,
+                                sources=npucrt_util.LOADER_SOURCES, stub_exec=True)
+    files = [str(p) for p in (*seeds, *sorted(om_fuzz.CORPUS.glob("*.om")))]
+    mutants = tmp_path / "mutants"
+    mutants.mkdir()
+    for i, (_, data) in enumerate(_mutants(seeds, 12, 300)):
+        files.append(str(_write(mutants, f"m{i}.om", data)))
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=86",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    r = subprocess.run([str(exe), "-b", *files], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "runtime error" not in r.stderr and "Sanitizer" not in r.stderr, r.stderr[-4000:]
+    codes = Counter(line.split("\t")[0] for line in r.stdout.splitlines())
+    assert len(r.stdout.splitlines()) == len(files) and codes["0"] >= len(seeds), codes
