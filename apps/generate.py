@@ -157,7 +157,13 @@ def load_tokenizer(s: Session) -> tuple[Callable[[str], list[int]], Callable[[li
 
 
 def tokenizer_functions(tok: Any) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """encode (with the special tokens) and decode (without them) of a transformers tokenizer."""
+    """encode (with the special tokens) and decode (without them) of a stored tokenizer
+    (apps/tokenizer.py) or a transformers one."""
+    from npuc.apps.tokenizer import StoredTokenizer
+
+    if isinstance(tok, StoredTokenizer):
+        return tok.encode, tok.decode
+
     def encode(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
@@ -174,19 +180,31 @@ def tokenizer_section(s: Session | NativeSession) -> bytes | None:
 
 
 def load_tokenizer_object(s: Session | NativeSession) -> Any:
-    """The transformers tokenizer from the files the compiler stored (its chat template too)."""
+    """The tokenizer from the files the compiler stored (its chat template too): run by the
+    tokenizers library and jinja2 (apps/tokenizer.py), or by transformers for a stored
+    tokenizer without tokenizer.json."""
+    from npuc.apps import tokenizer
     from npuc.runtime.om_validate import check_tokenizer
 
     data = tokenizer_section(s)
     if data is None:
         raise NpucError("NPUC-E0126", "the model has no tokenizer", "pass --prompt-ids, or compile from a Hugging "
                         "Face folder that has tokenizer files", exit_code=EXIT_USAGE)
+    files = check_tokenizer(str(getattr(s, "path", None) or s.om.path), data)  # checked at load, too
+    try:
+        stored = tokenizer.load(files)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's own errors, whatever their type
+        raise NpucError("NPUC-E0411", f"the stored tokenizer does not load: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}"[:300], "the file is damaged; recompile it",
+                        exit_code=EXIT_IO) from None
+    if stored is not None:
+        return stored
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise NpucError("NPUC-E0104", "--prompt needs transformers to run the stored tokenizer",
+        raise NpucError("NPUC-E0104", "--prompt needs transformers to run this stored tokenizer (it has no "
+                        "tokenizer.json for the tokenizers library)",
                         "pip install 'npuc[hf]', or pass --prompt-ids", exit_code=EXIT_USAGE) from None
-    files = check_tokenizer(str(getattr(s, "path", None) or s.om.path), data)  # checked at load, too
     with tempfile.TemporaryDirectory() as d:
         for name, data in files.items():
             with open(os.path.join(d, name), "wb") as f:

@@ -144,7 +144,11 @@ int npuc_session_output_view(npuc_session *s, int32_t program, int32_t index, co
 /* Per-op profile of the last runs: the summed nanoseconds each op kind's kernels took and the
  * number of calls, since npuc_session_profile(s, 1, ...) turned it on. */
 int npuc_session_profile(npuc_session *s, int32_t enable);
-int npuc_session_profile_read(const npuc_session *s, int32_t program, uint64_t *kernel_ns, uint64_t *steps);
+int npuc_session_profile_read(const npuc_session *s, int32_t program, uint64_t *kernel_ns, uint64_t *runs);
+/* One step of the profile: its op kind and name, and its summed nanoseconds. Steps are the
+ * program's ops less the views that run nothing; NPUC_E_ARG past the last. */
+int npuc_session_profile_step(const npuc_session *s, int32_t program, int32_t step, const char **op,
+                              const char **name, uint64_t *ns);
 
 /* The decode loop. Logits rows may be NULL where the caller needs only the token. */
 

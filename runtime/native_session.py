@@ -83,6 +83,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "npuc_session_output_view": [P, I32, I32, ctypes.POINTER(P)],
         "npuc_session_profile": [P, I32],
         "npuc_session_profile_read": [P, I32, ctypes.POINTER(U64), ctypes.POINTER(U64)],
+        "npuc_session_profile_step": [P, I32, I32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
+                                      ctypes.POINTER(U64)],
         "npuc_generate": [P, P, I32, P, P, E],
         "npuc_prefill": [P, I32, P, I32, P, P, E],
         "npuc_decode_step": [P, P, P, P, P, P, E],
@@ -313,6 +315,17 @@ class NativeSession:
 
     def profile(self, enable: bool = True) -> None:
         self.lib.npuc_session_profile(self._session, int(enable))
+
+    def profile_steps(self, program: str) -> list[tuple[str, str, int]]:
+        """(op, name, nanoseconds) of each step that ran, since profile() turned it on."""
+        out, k = [], 0
+        op, name, ns = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_uint64()
+        index = self._program(program).index
+        while not self.lib.npuc_session_profile_step(self._session, index, k, ctypes.byref(op), ctypes.byref(name),
+                                                     ctypes.byref(ns)):
+            out.append(((op.value or b"").decode(), (name.value or b"").decode(), ns.value))
+            k += 1
+        return out
 
     def profile_read(self, program: str) -> tuple[int, int]:
         """(nanoseconds the kernels took, runs) since profile() turned it on."""

@@ -129,12 +129,13 @@ class Row:
     mlp: int = 0
     max_err: float | None = None
     generate: str = "-"
+    native: str = "-"  # the C executor against the torch interpreter, on a family that generates
 
     def cells(self) -> list[str]:
         fused = f"{self.attention} / {self.norm} / {self.mlp}" if self.layers else "-"
         err = "-" if self.max_err is None else f"{self.max_err:.0e}"
         return [f"`{self.family}`", self.kind, self.status, str(self.layers or "-"), fused, err, self.generate,
-                self.reason.replace("|", "\\|")]
+                self.native.replace("|", "\\|"), self.reason.replace("|", "\\|")]
 
 
 ATTENTION_OPS = {"fused_attention", "mla_attention"}
@@ -241,6 +242,7 @@ def check(family: str, work: Path) -> Row:
             row.status, row.generate, row.reason = "no reference", "-", "HF generate fails: " + _one_line(e)
             return row
     got = list(steps(sess, prompt, NEW, ignore_eos=True))
+    row.native = native_parity(om, [t for t, _ in got], [lg for _, lg in got], prompt)
     same = next((i for i, ((a, _), b) in enumerate(zip(got, hf_tokens, strict=True)) if a != b), None)
     row.generate = f"{NEW}/{NEW}"
     if same is not None:
@@ -256,8 +258,37 @@ def check(family: str, work: Path) -> Row:
     return row
 
 
+def native_parity(om: str, tokens: list[int], logits: list[Any], prompt: list[int]) -> str:
+    """The C executor (libnpucrt) on the same .om against the torch interpreter's tokens and
+    logits: "NEW/NEW" when every token is the same and every logit within NATIVE_TOL; its
+    refusal (NPUC-E0413: the op it has no kernel for) otherwise, or where they part."""
+    import numpy as np
+
+    from npuc.apps.generate import steps
+    from npuc.errors import NpucError
+    from npuc.runtime.native_session import NativeSession, runtime_library
+
+    if runtime_library() is None:
+        return "not built"
+    try:
+        c = NativeSession(om)
+    except NpucError as e:
+        if e.code != "NPUC-E0413":
+            return "crashed: " + _one_line(e)
+        op = re.search(r"\(([a-z_0-9]+)\) has no kernel", e.message)
+        return f"refused: {op.group(1) if op else e.code}"
+    got = list(steps(c, prompt, len(tokens), ignore_eos=True))
+    for i, ((t, lg), t2, lg2) in enumerate(zip(got, tokens, logits, strict=True)):
+        err = float(np.abs(np.asarray(lg) - lg2.numpy()).max())
+        if t != t2 or err > NATIVE_TOL:
+            return f"differs at {i + 1} ({err:.0e})"
+    return f"{len(got)}/{len(tokens)}"
+
+
 MATCHED = ("ok", "no generate", "generate differs", "no reference")  # the logits match HF's
-HEADER = ["family", "kind", "status", "layers", "fused attention / norm / MLP", "max err", "generate", "reason"]
+HEADER = ["family", "kind", "status", "layers", "fused attention / norm / MLP", "max err", "generate", "native",
+          "reason"]
+NATIVE_TOL = 1e-5  # the C executor against the torch interpreter, fp32
 
 
 def render(rows: list[Row], version: str) -> str:
@@ -265,6 +296,7 @@ def render(rows: list[Row], version: str) -> str:
     n = max(len(inside), 1)
     match = sum(r.status in MATCHED for r in inside)
     ok = sum(r.status == "ok" for r in inside)
+    native = sum(r.status == "ok" and r.native == f"{NEW}/{NEW}" for r in inside)
     lines = [
         "# Model coverage",
         "",
@@ -275,7 +307,8 @@ def render(rows: list[Row], version: str) -> str:
         f"compile from a Hugging Face folder and match HF within {TOL:g} (+ {RTOL:g} of a logit's size) in fp32; "
         f"**{ok} ({100 * ok / n:.0f}%)** also "
         f"generate HF's greedy tokens for {NEW} steps over the KV cache. Every other row's reason is npuc's coded "
-        "refusal, or says what else stopped it.",
+        "refusal, or says what else stopped it. "
+        f"**{native} of the {ok}** run on the C executor with the torch interpreter's tokens and logits.",
         "",
         "Each family is built tiny from its config class (hidden 64, 2 layers, 4 heads, vocab 128, 4 experts",
         "where it has experts, a sliding window of 12 where it has one; random weights, with noise added",
@@ -294,6 +327,10 @@ def render(rows: list[Row], version: str) -> str:
         f"- **generate**: `npuc generate`'s greedy tokens against HF `generate` for {NEW} new tokens; \"k/{NEW}, "
         f"then a tie\": the k tokens agree, then HF's two best logits are within {TIE:g} (npuc's logits within",
         f"  {TOL:g} of HF's), so either token is the greedy one and the sequences part.",
+        f"- **native**: the C executor (libnpucrt, what `npuc generate` runs) against the torch interpreter on the",
+        f"  same `.om`: \"{NEW}/{NEW}\" when the greedy tokens are the same and every logit of the prefill and each",
+        f"  decode step is within {NATIVE_TOL:g}; `refused: OP` where the library has no kernel for an op of the",
+        "  model (its load refuses it, naming the op, and `npuc generate` runs the torch interpreter with a notice).",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),

@@ -1,4 +1,4 @@
-"""The runtime's native CPU kernels (runtime/native/kernels.c) against the registry's
+"""The runtime's native CPU kernels (npucrt/src/kernels.c) against the registry's
 reference kernels, op by op and through whole programs; their build, fallback and
 refusals. Speed is measured in bench/run.py, never here."""
 

@@ -104,8 +104,16 @@ def tiny_om(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(compile_model(str(checkpoint), input_shape="input_ids:1,32", output=str(out), max_seq_len=96))
 
 
-def npuc(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
-    return sh(sys.executable, "-m", "npuc", *args, env=REFERENCE_ENV)
+def npuc(*args: str | os.PathLike[str]) -> str:
+    """`npuc ARGS`'s stdout, in this process (torch is loaded already: a new process would spend
+    seconds importing it again); it must succeed."""
+    from click.testing import CliRunner
+
+    from npuc.cli.main import main
+
+    r = CliRunner().invoke(main, [os.fspath(a) for a in args], env=REFERENCE_ENV)
+    assert r.exit_code == 0, f"npuc {' '.join(map(str, args))} exited {r.exit_code}:\n{r.output}"
+    return r.stdout
 
 
 def npucrt(rt: Runtime, *args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
@@ -146,6 +154,16 @@ def test_shared_library_needs_only_libc_libm_and_pthreads(runtime: Runtime) -> N
     assert names and all(allowed.match(n) for n in names), f"libnpucrt.so needs more than libc/libm/pthreads:\n{out}"
 
 
+def test_shared_library_exports_the_api_and_no_internal_names(runtime: Runtime) -> None:
+    nm = shutil.which("nm")
+    if nm is None or sys.platform != "linux":
+        pytest.skip("needs nm (Linux)")
+    exported = {line.split()[-1] for line in sh(nm, "-D", "--defined-only", runtime.lib).stdout.splitlines()}
+    api = set(re.findall(r"(?m)^(?:int|void) (npuc_\w+)\(", (REPO / "include" / "npucrt.h").read_text()))
+    assert len(api) > 25 and api <= exported, f"not exported: {sorted(api - exported)}"
+    assert all(n.startswith("npuc_") for n in exported), sorted(n for n in exported if not n.startswith("npuc_"))
+
+
 # --- (f) pkg-config ---------------------------------------------------------------------------
 
 ABI_PROGRAM = '#include <npucrt.h>\n#include <stdio.h>\nint main(void) { printf("%d\\n", npuc_abi_version()); }\n'
@@ -183,8 +201,7 @@ def npuc_abi() -> int:
 @pytest.fixture(scope="session")
 def reference_tokens(tiny_om: Path) -> str:
     """`npuc generate`'s line for the example's prompt (the torch interpreter)."""
-    return npuc("generate", tiny_om, "--prompt-ids", ",".join(map(str, PROMPT)),
-                "--max-new-tokens", str(NEW_TOKENS)).stdout
+    return npuc("generate", tiny_om, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW_TOKENS))
 
 
 def test_example_builds_against_the_install_and_generates_npucs_tokens(
@@ -212,7 +229,7 @@ def test_cli_generate_several_prompts_prints_npucs_json_lines(runtime: Runtime, 
     args = ["--prompt-ids", "1,15,27,300,42", "--prompt-ids", "3 4", "--max-new-tokens", "4", "--ignore-eos"]
     r = npucrt(runtime, "generate", tiny_om, *args)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == npuc("generate", tiny_om, *args).stdout
+    assert r.stdout == npuc("generate", tiny_om, *args)
 
 
 def test_cli_info(runtime: Runtime, tiny_om: Path) -> None:
@@ -254,7 +271,7 @@ def test_cli_run_matches_npuc_run(runtime: Runtime, tiny_om: Path, run_inputs: d
     py = npuc("run", tiny_om, *feeds, "--output-dir", tmp_path / "py")
     r = npucrt(runtime, "run", tiny_om, "--program", "prefill", *feeds, "--output-dir", tmp_path / "c")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.replace(str(tmp_path / "c"), "DIR") == py.stdout.replace(str(tmp_path / "py"), "DIR")
+    assert r.stdout.replace(str(tmp_path / "c"), "DIR") == py.replace(str(tmp_path / "py"), "DIR")
     want, got = np.load(tmp_path / "py" / "logits.npy"), np.load(tmp_path / "c" / "logits.npy")
     assert got.dtype == want.dtype and got.shape == want.shape == (1, 1, 512)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
@@ -318,6 +335,17 @@ add_dependencies(app tiny)
 target_compile_definitions(app PRIVATE DEFAULT_MODEL="${{tiny_om}}")
 """
 
+# Stands in for `npuc compile` (tests/test_build_integration.py runs the real one under CMake): it
+# writes the session's .om, compiled from the same checkpoint with the same flags, where asked.
+FAKE_NPUC = r"""import pathlib, shutil, sys
+args = sys.argv[1:]
+flag = dict(zip(args, args[1:]))
+assert args[0] == "compile" and flag["--input_shape"] == "input_ids:1,32" and flag["--max_seq_len"] == "96", args
+shutil.copyfile(pathlib.Path(__file__).with_name("model.om"), flag["--output"] + ".om")
+esc = lambda p: str(p).replace(" ", "\\ ")  # noqa: E731
+pathlib.Path(flag["--depfile"]).write_text(f"{esc(flag['--output'])}.om: {esc(pathlib.Path(args[1], 'config.json'))}\n")
+"""
+
 
 def write_app(src: Path, checkpoint: Path, runtime_args: str) -> None:
     src.mkdir()
@@ -327,15 +355,19 @@ def write_app(src: Path, checkpoint: Path, runtime_args: str) -> None:
 
 
 def test_cmake_module_compiles_a_model_and_links_the_installed_runtime(
-        runtime: Runtime, checkpoint: Path, reference_tokens: str, tmp_path: Path) -> None:
+        runtime: Runtime, checkpoint: Path, tiny_om: Path, reference_tokens: str, tmp_path: Path) -> None:
     if NINJA is None:
         pytest.skip("needs ninja (the model's depfile)")
     write_app(tmp_path / "src", checkpoint, "FIND_PACKAGE")
-    cmake_build(tmp_path / "src", tmp_path / "build", f"-DCMAKE_PREFIX_PATH={runtime.prefix}",
-                f"-DPython3_EXECUTABLE={sys.executable}")
-    assert (tmp_path / "build" / "tiny.om").is_file()
-    # DEFAULT_MODEL is the .om the build compiled; the example's prompt and 16 tokens by default.
-    assert sh(tmp_path / "build" / "app", env=REFERENCE_ENV).stdout == reference_tokens
+    (tmp_path / "fake_npuc.py").write_text(FAKE_NPUC)
+    shutil.copyfile(tiny_om, tmp_path / "model.om")
+    build = tmp_path / "build"
+    cmake_build(tmp_path / "src", build, f"-DCMAKE_PREFIX_PATH={runtime.prefix}",
+                f"-DNPUC_COMMAND={sys.executable};{tmp_path / 'fake_npuc.py'}")
+    # OM_VARIABLE named the .om the build made, and the application (built after it) loads it.
+    assert (build / "tiny.om").read_bytes() == tiny_om.read_bytes()
+    assert sh(build / "app").stdout == reference_tokens
+    assert "no work to do" in sh(CMAKE, "--build", build).stdout
 
 
 def test_cmake_module_builds_the_runtime_from_the_sources_beside_it(checkpoint: Path, tmp_path: Path) -> None:

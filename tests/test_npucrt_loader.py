@@ -78,51 +78,110 @@ def _ported_check_ops(path: str, m: Any, prog: Any, *_: Any) -> None:
                                      "it needs one in the arena")
 
 
-def _kept_strings(model: Any, plans: Any, tasks: Any) -> Iterator[str]:
-    """Every string the C loader keeps (or compares): those may not hold a NUL there."""
-    yield from (model.producer, model.producer_version, model.target)
-    for t in model.tensors:
-        yield from (t.name, t.dtype, t.region)
-    for p in model.programs:
-        yield p.name
-        for op in p.ops:
-            yield from (op.op, op.name)
-            for a in op.attrs:
-                yield from (a.name, a.value.s, a.value.dtype)
-    for e in model.metadata:
-        yield from (e.key, e.value)
-    yield from (p.program for p in plans.plans)
-    for pt in tasks.programs:
-        yield pt.program
-        yield from (t.unit for t in pt.tasks)
+def _kept_strings(name: str, msg: Any) -> Iterator[str]:
+    """Every string of a model section that the C loader keeps (or compares): those may not hold
+    a NUL there (C strings). Not kept: TensorDesc.format, and modeldef's op units and plans."""
+    if name == "modeldef":
+        yield from (msg.producer, msg.producer_version, msg.target)
+        for t in msg.tensors:
+            yield from (t.name, t.dtype, t.region)
+        for p in msg.programs:
+            yield p.name
+            for op in p.ops:
+                yield from (op.op, op.name)
+                for a in op.attrs:
+                    yield from (a.name, a.value.s, a.value.dtype)
+        for e in msg.metadata:
+            yield from (e.key, e.value)
+    elif name == "plan":
+        yield from (p.program for p in msg.plans)
+    elif name == "tasks":
+        for pt in msg.programs:
+            yield pt.program
+            yield from (t.unit for t in pt.tasks)
+    else:
+        for e in msg.entries:
+            yield from (e.key, e.value)
 
 
-def _has_nul(om: Any) -> bool:
+def _nul_section(sections: dict[str, bytes]) -> str | None:
+    """The first model section, in the order they are parsed, that upb parses but that holds a
+    NUL in a string C keeps (the C loader refuses it as not parsing); None if none does
+    before one that does not parse at all."""
     from npuc.backend.om_schema import Metadata, ModelDef, Plans, Tasks
 
-    msgs = []
     for name, cls in (("modeldef", ModelDef), ("plan", Plans), ("tasks", Tasks), ("metadata", Metadata)):
         msg = cls()
         try:
-            msg.ParseFromString(bytes(om.section(name)))
-        except Exception:  # noqa: BLE001 - not ours to judge here: the references refuse it
-            return False
-        msgs.append(msg)
-    model, plans, tasks, meta = msgs
-    model.metadata.extend(meta.entries)
-    return any("\0" in s for s in _kept_strings(model, plans, tasks))
+            msg.ParseFromString(sections[name])
+        except Exception:  # noqa: BLE001 - join_model refuses it, as C does
+            return None
+        if any("\0" in s for s in _kept_strings(name, msg)):
+            return name
+    return None
+
+
+class _Upto:
+    """The first `k` tensors when iterated; every one when indexed (a base names any of them)."""
+
+    def __init__(self, m: Any, k: int) -> None:
+        self.weights_bytes, self.state_bytes, self._t, self._k = m.weights_bytes, m.state_bytes, m.tensors, k
+
+    @property
+    def tensors(self) -> Any:
+        outer = self
+
+        class View:
+            def __iter__(self) -> Iterator[Any]:
+                return iter(list(outer._t)[:outer._k])
+
+            def __len__(self) -> int:
+                return len(outer._t)
+
+            def __getitem__(self, i: int) -> Any:
+                return outer._t[i]
+
+        return View()
+
+
+def _check_tensors_c(full: Any) -> Any:
+    """check_tensors, plus the C loader's refusal of a rank past 8 after that tensor's checks."""
+    def check(path: str, m: Any, weights_len: int, arena: int) -> Any:
+        from npuc.runtime.om_validate import E_INVALID, bad
+
+        k = next((i for i, t in enumerate(m.tensors) if len(t.shape) > 8), None)
+        if k is not None:
+            full(path, _Upto(m, k + 1), weights_len, arena)
+            t = m.tensors[k]
+            raise bad(E_INVALID, f"{path}: tensor {t.name!r} has rank {len(t.shape)}; this runtime takes at most 8")
+        return full(path, m, weights_len, arena)
+
+    return check
+
+
+def _check_index_c(full: Any) -> Any:
+    """_check_index, but for a table of too few dims, which the op's shape rule (C: its binder)
+    refuses before (Python indexes past its shape there when check_ops is cut down)."""
+    def check(path: str, m: Any, op: Any, which: tuple[int, int, int], *rest: Any) -> Any:
+        if len(m.tensors[op.inputs[which[1]]].shape) <= which[2]:
+            return None
+        return full(path, m, op, which, *rest)
+
+    return check
 
 
 @contextlib.contextmanager
 def _ported_only() -> Iterator[None]:
     from npuc.runtime import om_validate
 
-    full = om_validate.check_ops
+    full = om_validate.check_ops, om_validate.check_tensors, om_validate._check_index
     om_validate.check_ops = _ported_check_ops
+    om_validate.check_tensors = _check_tensors_c(full[1])
+    om_validate._check_index = _check_index_c(full[2])
     try:
         yield
     finally:
-        om_validate.check_ops = full
+        om_validate.check_ops, om_validate.check_tensors, om_validate._check_index = full
 
 
 def python_load(path: str, ported: bool) -> tuple[int, str]:
@@ -136,9 +195,11 @@ def python_load(path: str, ported: bool) -> tuple[int, str]:
 
     try:
         with OmFile.open(path) as om:
-            model = join_model(om.path, {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
-            if _has_nul(om):
-                return 405, "\0"  # C strings: the C loader refuses the section as not parsing
+            sections = {name: bytes(om.section(name)) for name in MODEL_SECTIONS}
+            nul = _nul_section(sections)
+            if nul is not None:
+                return 405, f"{om.path}: the {nul} section does not parse"
+            model = join_model(om.path, sections)
             tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
             with om.section("weights") as weights, (_ported_only() if ported else contextlib.nullcontext()):
                 validate_model(str(om.path), model, weights, tokenizer)
@@ -180,7 +241,7 @@ def compare(lib: Any, path: Path, stats: Counter[str] | None = None) -> None:
         stats[f"C {code}"] += 1
     assert want != -1, f"{path.name}: the ported reference crashed: {want_msg}"
     assert code == want, f"{path.name}: C says {code} {message!r}, Python {want} {want_msg!r}"
-    if want_msg != "\0" and not MESSAGE_MAY_DIFFER.search(want_msg):
+    if not MESSAGE_MAY_DIFFER.search(want_msg):
         py = want_msg.encode()
         assert message == py[:767], f"{path.name}:\n C: {message!r}\n Py: {py!r}"
 
@@ -239,6 +300,13 @@ def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> 
         compare(lib, _write(tmp_path, f"{name}.om", blob))
     compare(lib, tmp_path)  # a directory
     compare(lib, tmp_path / "missing.om")
+    fifo = tmp_path / "fifo.om"
+    os.mkfifo(fifo)
+    compare(lib, fifo)  # refused, never waited on
+    # A tensor-parallel manifest is for torchrun: refused by name (the Python side: NPUC-E0150 too).
+    manifest = om_fuzz.OmImage([("manifest", b'{"format": "npuc-ranks"}'), *img.sections]).seal()
+    code, message = npucrt_util.load(lib, _write(tmp_path, "manifest.om", manifest))
+    assert code == 150 and "manifest of a tensor-parallel model" in message, message
 
 
 def test_hostile_edits_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
@@ -249,6 +317,140 @@ def test_hostile_edits_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> Non
     for name, edit, _, _ in CASES:
         with contextlib.suppress(StopIteration):  # an edit that needs an op the tiny seed lacks
             compare(lib, rewrite(kv, tmp_path / f"{name}.om", edit))
+    for name, edit in EDITS:
+        compare(lib, rewrite(kv, tmp_path / f"{name}.om", edit))
+
+
+def test_plan_overlaps_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """Buffers moved onto each other: the same pair reported (Python's heap order) and the same
+    arena and lower-bound findings."""
+    from tests.test_om_validate import rewrite
+
+    rng = random.Random(9)
+    kv = next(p for p in seeds if p.name == "kv.om")
+
+    def edit(m: Any) -> None:
+        prog = m.programs[rng.randrange(len(m.programs))]
+        arena = prog.plan.arena_bytes
+        a = prog.plan.alignment
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            ti = prog.plan.buffers[rng.randrange(len(prog.plan.buffers))].tensor
+            t = m.tensors[ti]
+            if t.nbytes < arena:
+                t.offset = rng.randrange((arena - t.nbytes) // a + 1) * a
+                for u in m.tensors:  # its views move with it
+                    if u.HasField("base") and u.base == ti:
+                        u.offset = t.offset
+        if rng.random() < 0.2:
+            prog.plan.arena_bytes += 64
+
+    for i in range(40):
+        compare(lib, rewrite(kv, tmp_path / f"o{i}.om", edit))
+
+
+# Raw protobuf appended to a section: upb's limits and leniencies (groups 100 deep, tags of 32
+# bits, 10-byte varints, wire types, UTF-8) that the C decoder must share.
+PROTO_TAILS: list[tuple[str, bytes]] = [
+    ("metadata", b"\x0b" * 100 + b"\x0c" * 100), ("metadata", b"\x0b" * 101 + b"\x0c" * 101),
+    ("metadata", b"\x0a\xc6\x01" + b"\x1b" * 99 + b"\x1c" * 99), ("metadata", b"\x0a\xc8\x01" + b"\x1b" * 100 + b"\x1c" * 100),
+    ("metadata", b"\x0b\x0c\x0c"), ("metadata", b"\x0c"), ("metadata", b"\x0b\x14"), ("metadata", b"\x0b"),
+    ("metadata", b"\xf8\xff\xff\xff\x0f\x01"), ("metadata", b"\x80\x80\x80\x80\x10"), ("metadata", b"\xf8\xff\xff\xff\x1f\x01"),
+    ("metadata", b"\x02\x00"), ("metadata", b"\x10" + b"\xff" * 9 + b"\x7f"), ("metadata", b"\x10" + b"\xff" * 10 + b"\x01"),
+    ("metadata", b"\x0e"), ("metadata", b"\x0f"), ("metadata", b"\x0d\x00\x00\x00"), ("metadata", b"\x09" + bytes(8)),
+    ("metadata", b"\x0a\x03\x0a\x01\xff"), ("metadata", b"\x0a\x05\x0a\x03\xed\xa0\x80"),
+    ("metadata", b"\x0a\x04\x0a\x02\xc0\xaf"), ("metadata", b"\x0a\x06\x0a\x04\xf4\x90\x80\x80"),
+    ("metadata", b"\x0a\x06\x0a\x04\xf0\x9f\x98\x80"), ("metadata", b"\x0a\x03\x1a\x01\xff"),
+    ("metadata", b"\x0a\x03\x08\x01\x00"), ("metadata", b"\x0a\x80\x80\x80\x80\x10"), ("metadata", b"\x0a\x05\x0a\x01"),
+    ("metadata", b"\x88\x00\x05"), ("metadata", b"\xc2\x80\x80\x80\x00\x00"), ("metadata", b"\x0a\x00"),
+    ("metadata", b"\x0a\x02\x12\x00\x0a\x02\x0a\x00"),
+    ("modeldef", b"\x22\x02\x1a\x00"), ("modeldef", b"\x22\x03\x1a\x01\x80"), ("modeldef", b"\x22\x02\x18\x01"),
+    ("modeldef", b"\x22\x03\x40\xff\x01"), ("modeldef", b"\x22\x0b\x40" + b"\xff" * 9 + b"\x01"),
+    ("modeldef", b"\x22\x06\x1a\x04\x01\x02\x03\x04"), ("modeldef", b"\x30\x05"), ("modeldef", b"\x31" + bytes(8)),
+    ("modeldef", b"\x2a\x02\x12\x01"), ("modeldef", b"\x2a\x04\x22\x02\x2a\x00"),
+    ("modeldef", b"\x2a\x0a\x22\x08\x2a\x06\x12\x04\x3a\x02\x0a\x01"),
+    ("modeldef", b"\x2a\x0b\x22\x09\x2a\x07\x12\x05\x3a\x03\x0a\x01\x00"),
+    ("modeldef", b"\x2a\x06\x22\x04\x2a\x02\x12\x00"), ("plan", b"\x0a\x02\x22\x00"), ("tasks", b"\x0a\x02\x12\x00"),
+    ("tasks", b"\x12\x00"), ("plan", b"\x0a\x03\x2a\x01\x00"),
+]
+
+
+def test_protobuf_edges_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    img = om_fuzz.OmImage.parse(seeds[0].read_bytes())
+    for i, (name, tail) in enumerate(PROTO_TAILS):
+        edited = om_fuzz.OmImage(list(img.sections))
+        edited.put(name, (edited.get(name) or b"") + tail)
+        compare(lib, _write(tmp_path, f"p{i}.om", edited.seal()))
+
+
+def _add_tensor(shape: list[int], nbytes: int | None = None, dtype: str = "f32") -> Any:
+    def edit(m: Any) -> None:
+        t = m.tensors.add(name="extra", dtype=dtype, region="arena", offset=0)
+        t.shape.extend(shape)
+        t.nbytes = nbytes if nbytes is not None else 4 * (0 if any(d == 0 for d in shape) else
+                                                          __import__("math").prod(shape))
+
+    return edit
+
+
+def _set(path: str, value: Any) -> Any:
+    """An edit setting a field by a dotted path from the model (`programs.0.ops.3.workspace`)."""
+    def edit(m: Any) -> None:
+        *head, last = path.split(".")
+        obj = m
+        for part in head:
+            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+        if last.isdigit():
+            obj[int(last)] = value
+        else:
+            setattr(obj, last, value)
+
+    return edit
+
+
+def _edits(*edits: Any) -> Any:
+    def edit(m: Any) -> None:
+        for e in edits:
+            e(m)
+
+    return edit
+
+
+def _meta_edit(key: str, value: str) -> Any:
+    def edit(m: Any) -> None:
+        m.metadata.add(key=key, value=value)
+
+    return edit
+
+
+EDITS: list[tuple[str, Any]] = [
+    ("rank9", _add_tensor([1] * 9)), ("rank9_negative", _add_tensor([1] * 8 + [-1], 4)),
+    ("rank12_mismatch", _add_tensor([2] * 12, 8)), ("rank9_empty", _add_tensor([0] * 9, 0)),
+    ("dims_past_2_40", _add_tensor([1 << 41])), ("dims_wrap", _add_tensor([1 << 32] * 4, 0)),
+    ("f16_odd_offset", lambda m: m.tensors.add(name="odd", dtype="f16", region="arena", offset=1, nbytes=2,
+                                               shape=[1])),
+    ("base_minus_1", _set("tensors.0.base", -1)), ("base_self_base", _set("tensors.1.base", 1)),
+    ("base_far", _set("tensors.0.base", 1 << 30)), ("workspace_minus_1", _set("programs.0.ops.0.workspace", -1)),
+    ("workspace_weights", _set("programs.0.ops.0.workspace", 0)),
+    ("input_minus_1", _set("programs.0.inputs.0", -1)), ("buffer_far", _set("programs.0.plan.buffers.0.tensor", 99999)),
+    ("alignment_0", _set("programs.0.plan.alignment", 0)), ("alignment_3", _set("programs.0.plan.alignment", 3)),
+    ("arena_off", _set("programs.0.plan.arena_bytes", 12345)),
+    ("lower_bound_off", _set("programs.0.plan.lower_bound_bytes", 1)),
+    ("buffer_late", _set("programs.1.plan.buffers.0.first_step", 3)),
+    ("buffer_reversed", _set("programs.1.plan.buffers.2.last_step", -7)),
+    ("buffer_twice", lambda m: m.programs[0].plan.buffers.append(m.programs[0].plan.buffers[0])),
+    ("program_empty_name", _set("programs.1.name", "")), ("program_twice", _set("programs.1.name", "prefill")),
+    ("quote_name", _set("programs.0.ops.0.name", "it's \"x\" \\ \t\x7f\x85\u00e9\u200b\U0001f600")),
+    ("producer_nul", _set("producer", "a\0b")), ("format_nul", _set("tensors.0.format", "x\0")),
+    ("meta_nul", _meta_edit("x\0y", "1")), ("eos_bad", _meta_edit("eos_token_id", "1,,2")),
+    ("eos_empty", _meta_edit("eos_token_id", "")), ("world_2", _meta_edit("parallel.world", "2")),
+    ("rank_1", _meta_edit("parallel.rank", "1")), ("world_0", _meta_edit("parallel.world", "0")),
+    ("programs_meta", _meta_edit("programs", "prefill,,decode")),
+    ("long_meta", _meta_edit("max_seq_len", "\u00e9" * 200)),
+    ("repr_single", _edits(_set("tensors.3.name", "it's"), _set("tensors.3.dtype", "f128"))),
+    ("repr_both", _edits(_set("tensors.3.name", "it's \"x\" \\ \t\x7f\x85\xa0\xad\u00e9\u200b\u2028\ue000\U0001f600\U000e0001"),
+                         _set("tensors.3.dtype", "f128"))),
+    ("repr_long", _edits(_set("tensors.3.name", "\U0001f600" * 300), _set("tensors.3.dtype", "x" * 500))),
+]
 
 
 def _tokenizers() -> list[bytes]:
@@ -269,6 +471,7 @@ def _tokenizers() -> list[bytes]:
         b'{"a": "QUJD\\nREVG"}', b'{"\\u0041": "QUJD", "A": 5}', b'{"a": "AAAA=="}', b'{"a": "A=AA"}',
         b'{"a": "AAA=="}', b'{"a": "AA"}', b'{"a": "=AAA"}', b'{"a": "AAAAA"}', b'{"a": "\xc3\xa9"}', b"{} x",
         b'{"a": tru}', b'{"a": true} ', b'\t{"a": "QQ=="}\r\n', b'{"a": "\xed\xa0\x80"}', b'{"a": "\xc0\xaf"}',
+        b'{"a": ' + b"7" * 4300 + b'}', b'{"a": -' + b"7" * 4301 + b'}', b'{"a": ' + b"7" * 5000 + b'.5}',
     ]
     rng = random.Random(3)
     alphabet = list('{}[]":,. -+01eE\\u"abAQ=/ \n') + ["null", "true", "NaN", '"QQ=="', '"a"']

@@ -162,10 +162,21 @@ def test_64_concurrent_requests_each_get_their_own_tokens(server: Server, models
     assert server.metric("npuc_active_slots") == 0 and server.metric("npuc_queue_depth") == 0
 
 
-def test_text_and_chat(server: Server, models: tuple[Path, Path]) -> None:
-    from npuc.apps.generate import load_tokenizer_object
+def _hf_tokenizer(om: Path, where: Path) -> Any:
+    """transformers' tokenizer over the files stored in the .om: the reference for the server's
+    own (apps/tokenizer.py, which runs without transformers)."""
+    from transformers import AutoTokenizer
 
-    tok = load_tokenizer_object(Session.load(str(models[1])))
+    from npuc.runtime.om_validate import check_tokenizer
+
+    files = check_tokenizer(str(om), Session.load(str(om)).om.section("tokenizer").tobytes())
+    for name, data in files.items():
+        (where / name).write_bytes(data)
+    return AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+
+
+def test_text_and_chat(server: Server, models: tuple[Path, Path], tmp_path: Path) -> None:
+    tok = _hf_tokenizer(models[1], tmp_path)
     status, out, _ = server.post("/v1/completions", {"prompt": "w5 w9 w17", "max_tokens": 5, "ignore_eos": True})
     assert status == 200
     ids = tok("w5 w9 w17")["input_ids"]

@@ -34,6 +34,7 @@ typedef struct rt_input_check {
 
 typedef struct rt_sprog {
     rt_step *steps;
+    uint64_t *step_ns;      /* per step, summed while profiling */
     int32_t n_steps;
     rt_input_check *checks; /* per input */
     uint64_t kernel_ns, runs;
@@ -973,8 +974,9 @@ int npuc_session_create(const npuc_model *m, const npuc_session_options *opts, n
         const rt_program *prog = &m->programs[p];
         rt_sprog *sp = &s->progs[p];
         sp->steps = pool_alloc(&s->pool, sizeof(rt_step) * (size_t)(prog->n_ops ? prog->n_ops : 1));
+        sp->step_ns = pool_alloc(&s->pool, sizeof(uint64_t) * (size_t)(prog->n_ops ? prog->n_ops : 1));
         sp->checks = pool_alloc(&s->pool, sizeof(rt_input_check) * (size_t)(prog->n_inputs ? prog->n_inputs : 1));
-        if (sp->steps == NULL || sp->checks == NULL) {
+        if (sp->steps == NULL || sp->checks == NULL || sp->step_ns == NULL) {
             npuc_session_free(s);
             return rt_fail(err, NPUC_E_ARG, "", "out of memory");
         }
@@ -1034,7 +1036,21 @@ static uint64_t now_ns(void) {
 int npuc_session_profile(npuc_session *s, int32_t enable) {
     if (s == NULL) return NPUC_E_ARG;
     s->profile = enable != 0;
-    for (int32_t p = 0; p < s->m->n_programs; p++) s->progs[p].kernel_ns = s->progs[p].runs = 0;
+    for (int32_t p = 0; p < s->m->n_programs; p++) {
+        s->progs[p].kernel_ns = s->progs[p].runs = 0;
+        memset(s->progs[p].step_ns, 0, sizeof(uint64_t) * (size_t)(s->progs[p].n_steps ? s->progs[p].n_steps : 1));
+    }
+    return NPUC_OK;
+}
+
+int npuc_session_profile_step(const npuc_session *s, int32_t program, int32_t step, const char **op,
+                              const char **name, uint64_t *ns) {
+    if (s == NULL || program < 0 || program >= s->m->n_programs || step < 0 || step >= s->progs[program].n_steps)
+        return NPUC_E_ARG;
+    const rt_step *st = &s->progs[program].steps[step];
+    if (op) *op = st->op->op;
+    if (name) *name = st->op->name;
+    if (ns) *ns = s->progs[program].step_ns[step];
     return NPUC_OK;
 }
 
@@ -1046,14 +1062,18 @@ int npuc_session_profile_read(const npuc_session *s, int32_t program, uint64_t *
 }
 
 int rt_session_execute(npuc_session *s, int32_t program, npuc_error *err) {
-    const rt_sprog *sp = &s->progs[program];
+    rt_sprog *sp = &s->progs[program];
     const rt_program *prog = &s->m->programs[program];
     uint64_t spent = 0;
     for (int32_t k = 0; k < sp->n_steps; k++) {
         const rt_step *st = &sp->steps[k];
         uint64_t t0 = s->profile ? now_ns() : 0;
         int rc = st->run(st, s);
-        if (s->profile) spent += now_ns() - t0;
+        if (s->profile) {
+            uint64_t dt = now_ns() - t0;
+            spent += dt;
+            sp->step_ns[k] += dt;
+        }
         if (rc == NPUC_E_INPUT)
             return rt_fail(err, NPUC_E_INPUT, "positions run from 0 to --max_seq_len - 1",
                            "%s: a position lies outside the table or cache it indexes", st->op->op);

@@ -878,7 +878,7 @@ static int no_section(const npuc_model *m, const char *name, npuc_error *err) {
     char have[RT_MAX_SECTIONS * 18 + 8];
     size_t n = 0;
     have[0] = '\0';
-    for (int32_t i = 0; i < m->n_sections; i++)
+    for (int32_t i = 0; i < m->n_sections && n < sizeof have; i++)
         n += (size_t)snprintf(have + n, sizeof have - n, "%s%s", i ? ", " : "", m->sections[i].name);
     return rt_fail(err, NPUC_E_BOUNDS, HINT_CONTAINER, "file is truncated or corrupt: it has no section '%s' "
                    "(sections: %s)", name, m->n_sections ? have : "none");
@@ -1008,6 +1008,12 @@ int npuc_om_parse(npuc_model *m, int verify_checksums, npuc_error *err) {
     m->n_sections = 0;
     int rc = parse_container(m, verify_checksums, err);
     if (rc) return rc;
+    /* A tensor-parallel compile's manifest (backend/manifest.py) names one file per rank, for
+     * `torchrun`; the Python side refuses it in a process of one rank too (NPUC-E0150). */
+    if (npuc_om_section(m, "manifest") != NULL)
+        return rt_fail(err, 150, "load one of its rank files with the Python runtime (`torchrun ... -m npuc`), or "
+                       "compile without --tp for this library", "%s is the manifest of a tensor-parallel model; this "
+                       "library loads single-device models", m->path);
     static const char *const MODEL_SECTIONS[] = {"modeldef", "plan", "tasks", "metadata"};
     for (int i = 0; i < 4; i++)
         if (npuc_om_section(m, MODEL_SECTIONS[i]) == NULL) return no_section(m, MODEL_SECTIONS[i], err);

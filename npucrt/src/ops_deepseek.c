@@ -5,16 +5,18 @@
  * Why the kernels are shaped as they are. Decode (one token) is about bytes, not FLOPs:
  *
  *   mla_attention  computes over the latent ("absorbed", ir/fused_ops.py: mla_absorbed):
- *                  the query moves into latent space through W_UK, scores are [q_lat | q_rot]
+ *                  the queries move into latent space through W_UK, scores are [q_lat | q_rot]
  *                  . [c | k_rope] over the cache rows, the attended latent goes back out
- *                  through W_UV. A chunk of work is one block of up to MLA_QB queries of one
- *                  sequence (heads and query positions together): every cache row a block
- *                  sees is read once per block and dotted with each of its queries while in
- *                  L1; W_UK[h] and W_UV[h] are read once per query. No per-head key or value
- *                  exists. A long prefill (where the reference expands, the cheaper form
- *                  then) expands per-head keys and values with the GEMM over W_UK/W_UV packed
- *                  at session creation, then runs npuc_attention_gemm (head dims multiples of
- *                  16, shared positions) or the same block kernel over the expanded rows.
+ *                  through W_UV; no per-head key or value exists. Three parallel passes
+ *                  (mla_attend): per head, the queries (W_UK read once); per split of the
+ *                  cache rows, flash-decoding's partial softmax and weighted rows, four
+ *                  queries sharing each row load and 4 x 16 sums held in registers (a decode
+ *                  step reads each cache row once, whatever the threads); per head, the
+ *                  splits combined and out through W_UV (read once). A long prefill, where
+ *                  the reference expands (the cheaper form there), expands per-head keys and
+ *                  values with the GEMM over W_UK/W_UV packed at session creation, then runs
+ *                  npuc_attention_gemm (head dims multiples of 16, shared positions) or the
+ *                  same passes over the expanded rows.
  *   fused_moe      routes in f32 exactly as moe_route does (torch's stable sort: of equal
  *   qmoe           scores the lower expert first, NaN first), sorts the token-slots by
  *                  expert, and runs each selected expert's rows through its weights as
@@ -31,6 +33,9 @@
  * the values the reference rounds to bf16 (products with the per-head weights, an expert's
  * gate/up/down and SwiGLU) are rounded at the same points, while scores, softmax and the
  * weighted sum of the experts stay f32. f16 and f64 operands are refused (NPUC_E_NO_KERNEL).
+ * qmoe reads codes as npuc_qlinear/npuc_qgemm do (scale * (codes . x - zero * sum x)), not
+ * through an f32 (or, for bf16 activations, bf16) copy of the weight as the reference does:
+ * the same values to f32's rounding.
  *
  * Run time allocates nothing: everything is in the session's shared scratch, sized here at
  * bind time, and per-thread regions are indexed by the pool's thread id. Run-time values
@@ -139,6 +144,142 @@ static void axpy_bf16(float p, const bf16 *v, float *acc, i64 n) {
     for (; k < n; k++) acc[k] += p * rt_bf16_to_f32(v[k]);
 }
 
+#ifdef DS_AVX2
+/* e^x for 8 floats (Cephes' expf, as kernels.c's: range reduction by ln 2, a degree-5
+ * polynomial, about 1 ulp; +inf above the range and 0 below, NaN stays NaN). */
+static inline __m256 exp8(__m256 x) {
+    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ);
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
+    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x), y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(lo, _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi));
+}
+#endif
+
+/* v[i] = e^(v[i] - mx) in place over n; their sum. */
+static float exp_sum(float *v, i64 n, float mx) {
+    float sum = 0.0f;
+    i64 i = 0;
+#ifdef DS_AVX2
+    __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), vm));
+        _mm256_storeu_ps(v + i, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum8(vs);
+#endif
+    for (; i < n; i++) {
+        v[i] = expf(v[i] - mx);
+        sum += v[i];
+    }
+    return sum;
+}
+
+/* sc[t * ss + k] = (q_t . row_k) * scale for t < nq, k < m: q_t = q + t * dq, row_k the k-th
+ * of `rows` (stride floats or bf16 apart). Four queries share each load of a row. */
+static void score_rows(const float *q, i64 dq, i64 nq, const void *rows, int bf, i64 stride, i64 m, float scale,
+                       float *sc, i64 ss) {
+    for (i64 k = 0; k < m; k++) {
+        const float *rf = bf ? NULL : (const float *)rows + k * stride;
+        const bf16 *rb = bf ? (const bf16 *)rows + k * stride : NULL;
+        i64 t = 0;
+#ifdef DS_AVX2
+        for (; t + 4 <= nq; t += 4) {
+            const float *q0 = q + t * dq, *q1 = q0 + dq, *q2 = q1 + dq, *q3 = q2 + dq;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            i64 d = 0;
+            for (; d + 8 <= dq; d += 8) {
+                __m256 kv = bf ? load8_bf16(rb + d) : _mm256_loadu_ps(rf + d);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), kv, a3);
+            }
+            __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            float s4[4];
+            _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)));
+            for (; d < dq; d++) {
+                float kd = bf ? rt_bf16_to_f32(rb[d]) : rf[d];
+                s4[0] += q0[d] * kd; s4[1] += q1[d] * kd; s4[2] += q2[d] * kd; s4[3] += q3[d] * kd;
+            }
+            for (int u = 0; u < 4; u++) sc[(t + u) * ss + k] = s4[u] * scale;
+        }
+#endif
+        for (; t < nq; t++) sc[t * ss + k] = (bf ? dot_bf16(q + t * dq, rb, dq) : dot_f32(q + t * dq, rf, dq)) * scale;
+    }
+}
+
+/* acc[t * da + c] = sum_{k < m} p[t * ss + k] * row_k[c] for t < nq, c < da (rows as
+ * score_rows'; p holds 0 past a query's rows). Four queries by 16 columns in registers over
+ * all m rows: each row's bytes are read once per four queries, and nothing is stored until
+ * the sums are done. */
+static void value_rows(const float *p, i64 ss, i64 nq, const void *rows, int bf, i64 stride, i64 m, i64 da,
+                       float *acc) {
+    i64 t = 0;
+#ifdef DS_AVX2
+    for (; t + 4 <= nq; t += 4) {
+        const float *p0 = p + t * ss, *p1 = p0 + ss, *p2 = p1 + ss, *p3 = p2 + ss;
+        i64 c = 0;
+        for (; c + 16 <= da; c += 16) {
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+            for (i64 k = 0; k < m; k++) {
+                __m256 v0, v1;
+                if (bf) {
+                    const bf16 *r = (const bf16 *)rows + k * stride + c;
+                    v0 = load8_bf16(r);
+                    v1 = load8_bf16(r + 8);
+                } else {
+                    const float *r = (const float *)rows + k * stride + c;
+                    v0 = _mm256_loadu_ps(r);
+                    v1 = _mm256_loadu_ps(r + 8);
+                }
+                __m256 w = _mm256_broadcast_ss(p0 + k);
+                a0 = _mm256_fmadd_ps(w, v0, a0); b0 = _mm256_fmadd_ps(w, v1, b0);
+                w = _mm256_broadcast_ss(p1 + k);
+                a1 = _mm256_fmadd_ps(w, v0, a1); b1 = _mm256_fmadd_ps(w, v1, b1);
+                w = _mm256_broadcast_ss(p2 + k);
+                a2 = _mm256_fmadd_ps(w, v0, a2); b2 = _mm256_fmadd_ps(w, v1, b2);
+                w = _mm256_broadcast_ss(p3 + k);
+                a3 = _mm256_fmadd_ps(w, v0, a3); b3 = _mm256_fmadd_ps(w, v1, b3);
+            }
+            float *o = acc + t * da + c;
+            _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, b0);
+            _mm256_storeu_ps(o + da, a1); _mm256_storeu_ps(o + da + 8, b1);
+            _mm256_storeu_ps(o + 2 * da, a2); _mm256_storeu_ps(o + 2 * da + 8, b2);
+            _mm256_storeu_ps(o + 3 * da, a3); _mm256_storeu_ps(o + 3 * da + 8, b3);
+        }
+        for (; c < da; c++)
+            for (i64 u = 0; u < 4; u++) {
+                float sum = 0.0f;
+                for (i64 k = 0; k < m; k++) sum += p[(t + u) * ss + k] * ld(rows, bf, k * stride + c);
+                acc[(t + u) * da + c] = sum;
+            }
+    }
+#endif
+    for (; t < nq; t++) {
+        float *a = acc + t * da;
+        for (i64 c = 0; c < da; c++) a[c] = 0.0f;
+        for (i64 k = 0; k < m; k++) {
+            if (bf) axpy_bf16(p[t * ss + k], (const bf16 *)rows + k * stride, a, da);
+            else axpy_f32(p[t * ss + k], (const float *)rows + k * stride, a, da);
+        }
+    }
+}
+
 /* ---- attributes: robust to how the writer encoded a number (int, float or bool) ----------- */
 
 static const rt_attr *attr(const rt_op *op, const char *name) {
@@ -216,7 +357,12 @@ static void want_scratch(rt_binder *b, i64 floats) {
  * mla_attention
  * ============================================================================================ */
 
-#define MLA_QB 8 /* queries per block: their [q_lat | q_rot] (8 x 576 floats in DeepSeek-V3) stay in L1 */
+/* Queries per block of the attention phase: 4 share each load of a row (score_rows), and a
+ * block's [q_lat | q_rot] rows (16 x 288 floats here, 8 x 576 in DeepSeek-V3) stay in L1. */
+#define MLA_QB 16
+#define MLA_QB_BYTES (24 << 10)
+/* Rows of the cache per split at least: fewer would cost more in partials than they save. */
+#define MLA_MIN_SPLIT 32
 
 typedef struct {
     i64 b, h, s, n, dn, dr, r, dv;
@@ -227,20 +373,31 @@ typedef struct {
     i64 pstride;       /* 0: positions [s] for every sequence; s: [b, s] */
     float scale;
     int threads;       /* what the scratch was sized for */
-    i64 per_thread;    /* floats each thread's block needs */
+    i64 dq, da;        /* query (= key) width and attended value width of the form */
+    i64 qb, max_splits;
+    i64 per_thread;    /* floats of each thread's region: a block's scores, or a row of out */
     float *uk, *uv;    /* expanded: W_UK[h], W_UV[h] packed for the GEMM, per head */
     i64 uk_stride, uv_stride;
     int64_t *rows;     /* expanded without positions: each query's last visible row */
     int fast;          /* expanded: npuc_attention_gemm takes it */
 } mla_plan;
 
+/* The attention in three parallel passes, so that every byte is read once whatever the
+ * threads: (1) each head's queries, [q_nope @ W_UK | q_rot] (W_UK read once per head);
+ * (2) per (group of queries, block of them, split of the rows): the split's scores, their
+ * softmax numerators and sum, and the weighted rows (flash-decoding: a decode step's one
+ * query block reads each cache row once, the threads taking different rows); (3) per head:
+ * the splits combined, then out through W_UV (read once per head). A group is what shares
+ * rows: a sequence's every head (absorbed: the latent), or one head (expanded). */
 typedef struct {
     const mla_plan *P;
     const void *qn, *qr, *kv, *wuk, *wuv, *pos;
     void *out;
-    const float *K, *V; /* expanded keys [b,h,n,dn+dr] and values [b,h,n,dv]; NULL: absorbed */
-    float *ws;
-    i64 qb, nblk, qg;   /* queries per block, blocks per group, queries per group */
+    const float *K, *V;      /* expanded keys [b,h,n,dq] and values [b,h,n,dv]; NULL: absorbed */
+    float *qc;               /* [Q, dq] every query, f32 */
+    float *pm, *psum, *pacc; /* per split: [R][Q] maxima, [R][Q] sums, [R][Q][da] weighted rows */
+    float *thr;              /* per thread: a block's scores (qb x L), P->per_thread apart */
+    i64 Q, qg, nqb, R, L;    /* queries; per group; blocks per group; splits; rows per split */
 } mla_job;
 
 /* Rows 0..visible-1 of the cache that query i of sequence bb sees. */
@@ -249,115 +406,151 @@ static inline i64 mla_visible(const mla_plan *P, const void *pos, i64 bb, i64 i)
     return P->causal ? i + 1 : P->n;
 }
 
-static void mla_chunk(const void *p, i64 c, int tid) {
+/* (1) the s queries of head group g = bb * h + hh */
+static void mla_queries(const void *p, i64 g, int tid) {
     const mla_job *j = p;
     const mla_plan *P = j->P;
-    const int ex = j->K != NULL, bf = P->bf;
-    const i64 h = P->h, s = P->s, n = P->n, r = P->r, dr = P->dr, dn = P->dn, dv = P->dv, row = r + dr;
-    const i64 dq = ex ? dn + dr : r + dr, da = ex ? dv : r;
-    i64 grp = c / j->nblk, q0 = (c % j->nblk) * j->qb, nq = imin(j->qb, j->qg - q0);
-    i64 bb = ex ? grp / h : grp;
-    float *qc = j->ws + (i64)tid * P->per_thread, *sc = qc + MLA_QB * dq, *acc = sc + MLA_QB * n;
-    float *tmp = acc + MLA_QB * da;
-    i64 vis[MLA_QB], head[MLA_QB], orow[MLA_QB], m = 0;
-
-    /* the block's queries: [q_lat | q_rot] (absorbed) or [q_nope | q_rot] (expanded), f32 */
-    for (i64 t = 0; t < nq; t++) {
-        i64 qi = q0 + t, hh = ex ? grp % h : qi / s, i = ex ? qi : qi % s;
-        i64 qrow = (bb * h + hh) * s + i;
-        head[t] = hh;
-        orow[t] = qrow * dv;
-        vis[t] = mla_visible(P, j->pos, bb, i);
-        m = imax(m, vis[t]);
-        float *q = qc + t * dq;
-        if (ex) {
-            for (i64 d = 0; d < dn; d++) q[d] = ld(j->qn, bf, qrow * dn + d);
-        } else if (!bf) { /* q_nope @ W_UK[h]: W_UK read once, as stored ([dn, r]: layout kn) */
-            npuc_linear_f32((const float *)j->qn + qrow * dn, 1, dn, (const float *)j->wuk + hh * dn * r, 1, r, dn,
-                            NULL, q, dq, 1);
-        } else {
-            for (i64 k = 0; k < r; k++) q[k] = 0.0f;
+    const i64 s = P->s, dn = P->dn, dr = P->dr, r = P->r, dq = P->dq, hh = g % P->h;
+    const int bf = P->bf;
+    (void)tid;
+    float *q = j->qc + g * s * dq;
+    if (P->expanded) {
+        for (i64 i = 0; i < s; i++)
+            for (i64 d = 0; d < dn; d++) q[i * dq + d] = ld(j->qn, bf, (g * s + i) * dn + d);
+    } else if (!bf) { /* q_nope @ W_UK[h], W_UK as stored ([dn, r]: layout kn) */
+        npuc_linear_f32((const float *)j->qn + g * s * dn, s, dn, (const float *)j->wuk + hh * dn * r, 1, r, dn,
+                        NULL, q, dq, 1);
+    } else {
+        for (i64 i = 0; i < s; i++) {
+            float *qi = q + i * dq;
+            for (i64 k = 0; k < r; k++) qi[k] = 0.0f;
             for (i64 d = 0; d < dn; d++)
-                axpy_bf16(ld(j->qn, 1, qrow * dn + d), (const bf16 *)j->wuk + (hh * dn + d) * r, q, r);
-            round_bf16_n(q, r); /* the reference's einsum in bf16 */
+                axpy_bf16(ld(j->qn, 1, (g * s + i) * dn + d), (const bf16 *)j->wuk + (hh * dn + d) * r, qi, r);
+            round_bf16_n(qi, r); /* the reference's einsum in bf16 */
         }
-        float *qrot = q + (ex ? dn : r);
-        for (i64 d = 0; d < dr; d++) qrot[d] = ld(j->qr, bf, qrow * dr + d);
     }
+    const i64 at = P->expanded ? dn : r;
+    for (i64 i = 0; i < s; i++)
+        for (i64 d = 0; d < dr; d++) q[i * dq + at + d] = ld(j->qr, bf, (g * s + i) * dr + d);
+}
 
-    /* scores: each row read once for the whole block */
-    for (i64 k = 0; k < m; k++) {
-        if (ex) {
-            const float *key = j->K + ((bb * h + head[0]) * n + k) * dq;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) sc[t * n + k] = dot_f32(qc + t * dq, key, dq) * P->scale;
-        } else if (bf) {
-            const bf16 *key = (const bf16 *)j->kv + (bb * n + k) * row;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) sc[t * n + k] = dot_bf16(qc + t * dq, key, dq) * P->scale;
-        } else {
-            const float *key = (const float *)j->kv + (bb * n + k) * row;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) sc[t * n + k] = dot_f32(qc + t * dq, key, dq) * P->scale;
-        }
-    }
-    /* softmax over each query's visible rows */
+/* (2) one split of the rows for one block of a group's queries */
+static void mla_split(const void *p, i64 c, int tid) {
+    const mla_job *j = p;
+    const mla_plan *P = j->P;
+    const i64 h = P->h, s = P->s, n = P->n, dq = P->dq, da = P->da, L = j->L;
+    const i64 g = c / (j->nqb * j->R), blk = (c / j->R) % j->nqb, sp = c % j->R;
+    const i64 q0 = g * j->qg + blk * P->qb, nq = imin(P->qb, j->qg - blk * P->qb), k0 = sp * L;
+    const i64 bb = P->expanded ? g / h : g;
+    i64 vis[MLA_QB], m = 0;
     for (i64 t = 0; t < nq; t++) {
-        float *row_sc = sc + t * n, mx = -INFINITY, sum = 0.0f;
-        for (i64 k = 0; k < vis[t]; k++) mx = row_sc[k] > mx ? row_sc[k] : mx;
-        for (i64 k = 0; k < vis[t]; k++) {
-            row_sc[k] = expf(row_sc[k] - mx);
-            sum += row_sc[k];
-        }
-        for (i64 k = 0; k < vis[t]; k++) row_sc[k] /= sum;
-        for (i64 k = 0; k < da; k++) acc[t * da + k] = 0.0f;
+        vis[t] = imin(imax(mla_visible(P, j->pos, bb, (q0 + t) % s) - k0, 0), L);
+        m = imax(m, vis[t]);
     }
-    /* the attended values (the latent c, or the head's expanded values), each row read once */
-    for (i64 k = 0; k < m; k++) {
-        if (ex) {
-            const float *v = j->V + ((bb * h + head[0]) * n + k) * dv;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) axpy_f32(sc[t * n + k], v, acc + t * da, da);
-        } else if (bf) {
-            const bf16 *v = (const bf16 *)j->kv + (bb * n + k) * row;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) axpy_bf16(sc[t * n + k], v, acc + t * da, da);
-        } else {
-            const float *v = (const float *)j->kv + (bb * n + k) * row;
-            for (i64 t = 0; t < nq; t++)
-                if (k < vis[t]) axpy_f32(sc[t * n + k], v, acc + t * da, da);
+    float *pm = j->pm + sp * j->Q + q0, *psum = j->psum + sp * j->Q + q0, *acc = j->pacc + (sp * j->Q + q0) * da;
+    if (m == 0) { /* no row of this split is visible to the block */
+        for (i64 t = 0; t < nq; t++) {
+            pm[t] = -INFINITY;
+            psum[t] = 0.0f;
         }
+        for (i64 k = 0; k < nq * da; k++) acc[k] = 0.0f;
+        return;
     }
-    /* out: the values as they are (expanded), or the latent back out through W_UV[h] */
+    const void *keys, *vals;
+    i64 kstride, vstride;
+    int rbf = P->bf && !P->expanded;
+    if (P->expanded) { /* the head's own rows: g is bb * h + hh */
+        keys = j->K + (g * n + k0) * dq;
+        vals = j->V + (g * n + k0) * da;
+        kstride = dq;
+        vstride = da;
+    } else {           /* the latent rows, keys [c | k_rope] and values c */
+        kstride = vstride = P->r + P->dr;
+        keys = vals = (const char *)j->kv + (bb * n + k0) * kstride * (P->bf ? 2 : 4);
+    }
+    float *sc = j->thr + (i64)tid * P->per_thread;
+    score_rows(j->qc + q0 * dq, dq, nq, keys, rbf, kstride, m, P->scale, sc, L);
     for (i64 t = 0; t < nq; t++) {
-        float *a = acc + t * da;
-        if (ex) {
-            for (i64 k = 0; k < dv; k++) st(j->out, bf, orow[t] + k, a[k]);
-        } else if (!bf) {
-            npuc_linear_f32(a, 1, r, (const float *)j->wuv + head[t] * r * dv, 1, dv, r, NULL,
-                            (float *)j->out + orow[t], dv, 1);
-        } else {
-            round_bf16_n(a, r); /* o_lat.to(bf16), then the einsum in bf16 */
+        float *ps = sc + t * L, mx = -INFINITY;
+        for (i64 k = 0; k < vis[t]; k++) mx = ps[k] > mx ? ps[k] : mx;
+        pm[t] = vis[t] ? mx : -INFINITY;
+        psum[t] = exp_sum(ps, vis[t], mx);
+        for (i64 k = vis[t]; k < m; k++) ps[k] = 0.0f;
+    }
+    value_rows(sc, L, nq, vals, rbf, vstride, m, da, acc);
+}
+
+/* (3) the splits of head group g's queries combined, and out */
+static void mla_out(const void *p, i64 g, int tid) {
+    const mla_job *j = p;
+    const mla_plan *P = j->P;
+    const i64 s = P->s, r = P->r, dv = P->dv, da = P->da, Q = j->Q, hh = g % P->h;
+    (void)tid;
+    for (i64 q = g * s; q < (g + 1) * s; q++) {
+        float mx = -INFINITY, tot = 0.0f;
+        for (i64 sp = 0; sp < j->R; sp++) mx = j->pm[sp * Q + q] > mx ? j->pm[sp * Q + q] : mx;
+        float *a = j->pacc + q * da; /* split 0's: the result goes there */
+        if (mx == -INFINITY) {       /* no rows at all (an empty cache): softmax of nothing, zeros */
+            for (i64 k = 0; k < da; k++) a[k] = 0.0f;
+            continue;
+        }
+        for (i64 sp = 0; sp < j->R; sp++) {
+            float m = j->pm[sp * Q + q], w = m == -INFINITY ? 0.0f : expf(m - mx);
+            tot += j->psum[sp * Q + q] * w;
+            if (sp == 0) {
+                for (i64 k = 0; k < da; k++) a[k] *= w;
+            } else if (w != 0.0f) {
+                axpy_f32(w, j->pacc + (sp * Q + q) * da, a, da);
+            }
+        }
+        float inv = 1.0f / tot;
+        for (i64 k = 0; k < da; k++) a[k] *= inv;
+    }
+    float *a = j->pacc + g * s * da;
+    if (P->expanded) {
+        for (i64 k = 0; k < s * dv; k++) st(j->out, P->bf, g * s * dv + k, a[k]);
+    } else if (!P->bf) { /* o_lat @ W_UV[h], W_UV as stored ([r, dv]: layout kn) */
+        npuc_linear_f32(a, s, r, (const float *)j->wuv + hh * r * dv, 1, dv, r, NULL, (float *)j->out + g * s * dv,
+                        dv, 1);
+    } else {
+        float *tmp = j->thr + (i64)tid * P->per_thread; /* this thread's scores are done with */
+        for (i64 i = 0; i < s; i++) {
+            float *ai = a + i * r;
+            round_bf16_n(ai, r); /* o_lat.to(bf16), then the einsum in bf16 */
             for (i64 k = 0; k < dv; k++) tmp[k] = 0.0f;
-            for (i64 k = 0; k < r; k++) axpy_bf16(a[k], (const bf16 *)j->wuv + (head[t] * r + k) * dv, tmp, dv);
-            for (i64 k = 0; k < dv; k++) st(j->out, 1, orow[t] + k, tmp[k]);
+            for (i64 k = 0; k < r; k++) axpy_bf16(ai[k], (const bf16 *)j->wuv + (hh * r + k) * dv, tmp, dv);
+            for (i64 k = 0; k < dv; k++) st(j->out, 1, (g * s + i) * dv + k, tmp[k]);
         }
     }
 }
 
-/* Blocks of queries: about two per thread (a late thread's share is taken by the others), at
- * most MLA_QB each. `total` queries over `groups` independent groups. */
-static i64 mla_block(i64 groups, i64 per_group, int nt) {
-    i64 want = cdiv(groups * per_group, 2 * (i64)nt);
-    return imax(1, imin(MLA_QB, imin(want, imax(per_group, 1))));
+/* The three passes over `ws` (qc, partials, per-thread scores). `rows_seen`: the most rows any
+ * query sees. */
+static void mla_attend(const mla_plan *P, mla_job *j, float *ws, i64 rows_seen, int nt) {
+    const i64 b = P->b, h = P->h, s = P->s, dq = P->dq, da = P->da;
+    j->Q = b * h * s;
+    j->qg = P->expanded ? s : h * s;
+    j->nqb = cdiv(j->qg, P->qb);
+    i64 groups = j->Q / j->qg, blocks = groups * j->nqb;
+    /* enough chunks for the threads, each split at least MLA_MIN_SPLIT rows */
+    j->R = imax(1, imin(imin(P->max_splits, cdiv(2 * (i64)nt, blocks)), cdiv(rows_seen, MLA_MIN_SPLIT)));
+    j->L = imax(1, cdiv(rows_seen, j->R));
+    j->qc = ws;
+    j->pm = j->qc + j->Q * dq;
+    j->psum = j->pm + j->R * j->Q;
+    j->pacc = j->psum + j->R * j->Q;
+    j->thr = j->pacc + j->R * j->Q * da;
+    npuc_parallel(mla_queries, j, b * h, nt);
+    npuc_parallel(mla_split, j, blocks * j->R, nt);
+    npuc_parallel(mla_out, j, b * h, nt);
 }
 
-static int mla_expanded_run(const mla_plan *P, const mla_job *base, float *ws, int nt) {
+static int mla_expanded_run(const mla_plan *P, mla_job *j, float *ws, i64 rows_seen, int nt) {
     const i64 b = P->b, h = P->h, s = P->s, n = P->n, dn = P->dn, dr = P->dr, r = P->r, dv = P->dv;
     const i64 dk = dn + dr, row = r + dr, es = P->bf ? 2 : 4;
     float *K = ws, *V = K + b * h * n * dk, *rest = V + b * h * n * dv;
     for (i64 bb = 0; bb < b; bb++) {
-        const char *c = (const char *)base->kv + bb * n * row * es;
+        const char *c = (const char *)j->kv + bb * n * row * es;
         for (i64 hh = 0; hh < h; hh++) {
             float *kh = K + (bb * h + hh) * n * dk, *vh = V + (bb * h + hh) * n * dv;
             /* k_nope = c @ W_UK[h]^T and v = c @ W_UV[h], in the operands' dtype as the reference */
@@ -365,7 +558,7 @@ static int mla_expanded_run(const mla_plan *P, const mla_job *base, float *ws, i
             npuc_gemm_f32(c, P->bf, n, row, P->uv + hh * P->uv_stride, dv, r, NULL, vh, 0, dv, rest, nt);
             for (i64 k = 0; k < n; k++) {
                 if (P->bf) round_bf16_n(kh + k * dk, dn);
-                for (i64 d = 0; d < dr; d++) kh[k * dk + dn + d] = ld(base->kv, P->bf, (bb * n + k) * row + r + d);
+                for (i64 d = 0; d < dr; d++) kh[k * dk + dn + d] = ld(j->kv, P->bf, (bb * n + k) * row + r + d);
             }
             if (P->bf) round_bf16_n(vh, n * dv);
         }
@@ -373,24 +566,19 @@ static int mla_expanded_run(const mla_plan *P, const mla_job *base, float *ws, i
     if (P->fast && !(P->pos_dtype >= 0 && (P->pos_dtype != NPUC_I64 || P->pstride))) {
         float *Q = rest, *O = Q + b * h * s * dk, *sc = O + (P->bf ? b * h * s * dv : 0);
         for (i64 qrow = 0; qrow < b * h * s; qrow++) {
-            for (i64 d = 0; d < dn; d++) Q[qrow * dk + d] = ld(base->qn, P->bf, qrow * dn + d);
-            for (i64 d = 0; d < dr; d++) Q[qrow * dk + dn + d] = ld(base->qr, P->bf, qrow * dr + d);
+            for (i64 d = 0; d < dn; d++) Q[qrow * dk + d] = ld(j->qn, P->bf, qrow * dn + d);
+            for (i64 d = 0; d < dr; d++) Q[qrow * dk + dn + d] = ld(j->qr, P->bf, qrow * dr + d);
         }
-        const int64_t *rows = P->pos_dtype >= 0 ? (const int64_t *)base->pos : P->rows;
-        float *o = P->bf ? O : (float *)base->out;
+        const int64_t *rows = P->pos_dtype >= 0 ? (const int64_t *)j->pos : P->rows;
+        float *o = P->bf ? O : (float *)j->out;
         if (npuc_attention_gemm(Q, K, V, rows, o, b, h, s, dk, h, n, dv, P->scale, sc, nt)) return NPUC_E_KERNEL;
         if (P->bf)
-            for (i64 i = 0; i < b * h * s * dv; i++) st(base->out, 1, i, O[i]);
+            for (i64 i = 0; i < b * h * s * dv; i++) st(j->out, 1, i, O[i]);
         return 0;
     }
-    mla_job j = *base;
-    j.K = K;
-    j.V = V;
-    j.ws = rest;
-    j.qg = s;
-    j.qb = mla_block(b * h, s, nt);
-    j.nblk = cdiv(s, j.qb);
-    npuc_parallel(mla_chunk, &j, b * h * j.nblk, nt);
+    j->K = K;
+    j->V = V;
+    mla_attend(P, j, rest, rows_seen, nt);
     return 0;
 }
 
@@ -398,24 +586,23 @@ static int mla_run(const rt_step *stp, struct npuc_session *sess) {
     const mla_plan *P = stp->p[0];
     int nt = run_threads(sess, P->threads);
     const void *pos = P->pos_dtype >= 0 ? stp->in[5].data : NULL;
+    i64 rows_seen = P->pos_dtype >= 0 ? 0 : P->causal ? P->s : P->n;
     if (pos) {
         i64 count = P->pstride ? P->b * P->s : P->s;
         for (i64 i = 0; i < count; i++) {
             i64 v = pos_at(pos, P->pos_dtype, i);
             if (v < 0 || v >= P->n) return NPUC_E_KERNEL;
+            rows_seen = imax(rows_seen, v + 1);
         }
     }
     if (P->b * P->h * P->s == 0) return 0;
     mla_job j = {P, stp->in[0].data, stp->in[1].data, stp->in[2].data, stp->in[3].data, stp->in[4].data, pos,
-                 stp->out[0].data, NULL, NULL, rt_session_scratch(sess), 0, 0, 0};
-    if (P->expanded) return mla_expanded_run(P, &j, j.ws, nt);
-    /* absorbed: bytes read are the cache rows (per block) and W_UK/W_UV once per query */
-    i64 bytes = (P->b * P->n * (P->r + P->dr) + P->h * P->r * (P->dn + P->dv)) * (P->bf ? 2 : 4);
-    if (bytes < (64 << 10)) nt = 1;
-    j.qg = P->h * P->s;
-    j.qb = mla_block(P->b, j.qg, nt);
-    j.nblk = cdiv(j.qg, j.qb);
-    npuc_parallel(mla_chunk, &j, P->b * j.nblk, nt);
+                 stp->out[0].data, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, 0, 0};
+    float *ws = rt_session_scratch(sess);
+    if (P->expanded) return mla_expanded_run(P, &j, ws, rows_seen, nt);
+    /* absorbed: a hand-off pays once the cache rows and W_UK/W_UV come to 64 KiB */
+    i64 bytes = (P->b * rows_seen * (P->r + P->dr) + P->h * P->r * (P->dn + P->dv)) * (P->bf ? 2 : 4);
+    mla_attend(P, &j, ws, rows_seen, bytes < (64 << 10) ? 1 : nt);
     return 0;
 }
 
@@ -477,11 +664,25 @@ static int bind_mla(rt_binder *b, rt_step *stp) {
                        name, npuc_dtype_name(dt));
 
     int threads = b->threads < 1 ? 1 : b->threads;
-    mla_plan plan = {B, h, s, n, dn, dr, r, dv, dt == NPUC_BF16, !mla_is_absorbed(h, s, n, dn, dr, r, dv),
-                     (int)(causal != 0), pos_dtype, pstride, (float)scale, threads, 0, NULL, NULL, 0, 0, NULL, 0};
-    i64 dq = plan.expanded ? dn + dr : r + dr, da = plan.expanded ? dv : r;
-    plan.per_thread = MLA_QB * (dq + n + da) + imax(dn, dv) + 16;
-    i64 need = threads * plan.per_thread;
+    mla_plan plan;
+    memset(&plan, 0, sizeof plan);
+    plan.b = B; plan.h = h; plan.s = s; plan.n = n; plan.dn = dn; plan.dr = dr; plan.r = r; plan.dv = dv;
+    plan.bf = dt == NPUC_BF16;
+    plan.expanded = !mla_is_absorbed(h, s, n, dn, dr, r, dv);
+    plan.causal = causal != 0;
+    plan.pos_dtype = pos_dtype;
+    plan.pstride = pstride;
+    plan.scale = (float)scale;
+    plan.threads = threads;
+    plan.dq = plan.expanded ? dn + dr : r + dr;
+    plan.da = plan.expanded ? dv : r;
+    plan.qb = plan.dq * MLA_QB * 4 <= MLA_QB_BYTES ? MLA_QB : MLA_QB / 2;
+    /* splits of the rows only where the query blocks are fewer than two a thread (decode) */
+    i64 blocks = (plan.expanded ? B * h : B) * cdiv(plan.expanded ? s : h * s, plan.qb);
+    plan.max_splits = imax(1, cdiv(2 * (i64)threads, imax(blocks, 1)));
+    plan.per_thread = imax(plan.qb * n, dv);
+    /* mla_attend's: every query, the partials of every split, each thread's region */
+    i64 Q = B * h * s, R = plan.max_splits, need = Q * plan.dq + R * Q * (2 + plan.da) + threads * plan.per_thread;
     if (plan.expanded) {
         i64 dk = dn + dr, kvbuf = B * h * n * (dk + dv);
         plan.uk_stride = npuc_gemm_packed_floats(dn, r);

@@ -11,8 +11,10 @@
  * operands with unit stride are read in place, an f32 output written in place), calls the
  * function and stores; large outputs are split over the thread pool.
  *
- * Where an op's reference kernel is several torch ops (selu, hard_sigmoid, softsign,
- * swiglu), each intermediate is rounded to the storage dtype (rd()) as torch rounds it.
+ * Where an op's reference kernel is several torch ops (selu, hard_sigmoid, thresholded_relu,
+ * softsign, swiglu), each intermediate is rounded to the storage dtype (rd()) as torch rounds
+ * it, and so is a Python scalar that is added or compared (torch casts it to the tensor's
+ * dtype there; a product takes it in f32).
  */
 #include <math.h>
 #include <string.h>
@@ -145,8 +147,8 @@ F1(f_elu, x <= 0.0f ? expm1f(x) * (float)c->a : x)
 F1(f_celu, x <= 0.0f ? expm1f(x * (float)(1.0 / c->a)) * (float)c->a : x)
 F1(f_selu, (float)c->b * (x > 0.0f ? x : rd((float)c->a * rd(expm1f(x), c->dt), c->dt)))
 F1(f_leaky_relu, x > 0.0f ? x : x * (float)c->a)
-F1(f_hard_sigmoid, fminf(fmaxf(rd(rd(x * (float)c->a, c->dt) + (float)c->b, c->dt), 0.0f), 1.0f))
-F1(f_thresholded_relu, x > (float)c->a ? x : 0.0f)
+F1(f_hard_sigmoid, fminf(fmaxf(rd(rd(x * (float)c->a, c->dt) + rd((float)c->b, c->dt), c->dt), 0.0f), 1.0f))
+F1(f_thresholded_relu, x > rd((float)c->a, c->dt) ? x : 0.0f)
 F1(f_logical_not, x == 0.0f)
 F1(f_is_nan, x != x)
 F1(f_is_inf, (c->a != 0 && x == -INFINITY) || (c->b != 0 && x == INFINITY)) /* a: negative, b: positive */
@@ -513,6 +515,12 @@ static void cast_range(const void *pj, int64_t lo, int64_t hi, int tid) {
     const cast_job *j = pj;
     for (int64_t b0 = lo; b0 < hi; b0 += BLK) {
         int64_t m = og_min64(BLK, hi - b0);
+        if (og_is_f32ish(j->sdt) && og_is_f32ish(j->ddt)) { /* exact in f32, rounded once */
+            float f[BLK];
+            og_load_f32(j->src, j->sdt, b0, 1, m, f);
+            og_store_f32(j->dst, j->ddt, b0, f, m);
+            continue;
+        }
         if (og_is_intish(j->sdt)) { /* integers and bool: exact in int64 */
             int64_t v[BLK];
             og_load_i64(j->src, j->sdt, b0, 1, m, v);

@@ -91,7 +91,7 @@ int og_attr_num(rt_binder *b, const rt_step *st, const char *name, int has_dflt,
         return 0;
     }
     if (a->kind == ATTR_F) *v = a->f;
-    else if (a->kind == ATTR_I) *v = (double)a->i; /* a whole float is written as an int */
+    else if (a->kind == ATTR_I || a->kind == ATTR_B) *v = (double)a->i; /* a whole float is written as an int */
     else return og_invalid(b, st, "attribute %s is not a number", name);
     return 0;
 }

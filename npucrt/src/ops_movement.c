@@ -1,10 +1,12 @@
 /* Data movement and sources: reshape, transpose, slice, slice_scatter, pad, concat, split,
- * expand, gather, gather_elements, index, full, arange, trilu.
+ * expand, gather, gather_elements, gather_nd, index, scatter_elements, scatter_nd, full,
+ * arange, trilu.
  *
  * These move bytes and never look at values, so they take every dtype (elements of 1, 2, 4
- * or 8 bytes), except where a value addresses memory: gather's, gather_elements' and index's
- * indices, checked before anything is copied (negative ones count from the end, as torch's;
- * one out of range fails the run with NPUC_E_KERNEL). transpose, expand and slice are one
+ * or 8 bytes), except where a value addresses memory: the indices of the gathers, index and
+ * the scatters, checked before they are used (negative ones count from the end, as torch's;
+ * one out of range fails the run with NPUC_E_KERNEL; scatter_nd's wrap, as its reference's),
+ * and the scatters' reductions, computed as the elementwise ops are. transpose, expand and slice are one
  * strided copy (ops_generic.c); a view the planner placed on its operand's bytes (reshape,
  * a transpose that moves only size-1 axes, a prefix slice: st->out_is_in0) has no run.
  */
@@ -561,6 +563,188 @@ static int bind_index(rt_binder *b, rt_step *st) {
     return 0;
 }
 
+/* ---- gather_nd, scatter_elements, scatter_nd ------------------------------------------------ */
+
+/* gather_nd (ONNX GatherND): the last axis of `indices` (k long) addresses axes b..b+k-1 of
+ * `data` within batch n (the first b axes, shared). st->i: [0] batches, [1] rows per batch,
+ * [2] k, [3] row bytes, [4] a batch's data elements (in rows), [5..5+k) the addressed dims */
+static int gather_nd_run(const rt_step *st, struct npuc_session *s) {
+    (void)s;
+    const rt_view *idx = &st->in[1];
+    int64_t nb = st->i[0], rows = st->i[1], k = st->i[2], row = st->i[3], block = st->i[4];
+    const int64_t *dims = &st->i[5];
+    for (int64_t n = 0; n < nb; n++)
+        for (int64_t j = 0; j < rows; j++) {
+            int64_t at = 0;
+            for (int64_t d = 0; d < k; d++) {
+                int64_t v = load_index(idx->data, idx->dtype, (n * rows + j) * k + d);
+                if (v < -dims[d] || v >= dims[d]) return NPUC_E_KERNEL;
+                at = at * dims[d] + (v < 0 ? v + dims[d] : v);
+            }
+            const char *from = (const char *)st->in[0].data + (n * block + at) * row;
+            memcpy((char *)st->out[0].data + (n * rows + j) * row, from, (size_t)row);
+        }
+    return 0;
+}
+
+static int bind_gather_nd(rt_binder *b, rt_step *st) {
+    int rc;
+    int64_t bd;
+    if ((rc = og_check_arity(b, st, 2, 2, 1)) || (rc = og_attr_int(b, st, "batch_dims", 1, 0, &bd))) return rc;
+    const rt_view *x = &st->in[0], *idx = &st->in[1];
+    if (!index_dtype_ok(idx->dtype) || idx->rank < 1) return og_invalid(b, st, "gather_nd indices must be i64/i32");
+    int64_t k = idx->shape[idx->rank - 1];
+    int fits = bd >= 0 && bd < idx->rank && bd + k <= x->rank;
+    for (int32_t d = 0; fits && d < bd; d++) fits = x->shape[d] == idx->shape[d];
+    if (!fits) return og_invalid(b, st, "gather_nd indices do not fit the data");
+    int32_t r = idx->rank - 1 + x->rank - (int32_t)(bd + k);
+    if (r > NPUC_MAX_RANK) return og_invalid(b, st, "gather_nd's output has rank %d", r);
+    int64_t shape[NPUC_MAX_RANK];
+    memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)(idx->rank - 1));
+    for (int32_t d = (int32_t)(bd + k); d < x->rank; d++) shape[idx->rank - 1 + d - (bd + k)] = x->shape[d];
+    if ((rc = og_check_out(b, st, 0, x->dtype, r, shape))) return rc;
+    if (k == 0) return og_no_kernel(b, st, "no kernel for gather_nd of empty index tuples");
+    if (b->dry) return 0;
+    st->i[0] = prod(x->shape, 0, (int32_t)bd);
+    st->i[1] = prod(idx->shape, (int32_t)bd, idx->rank - 1);
+    st->i[2] = k;
+    st->i[3] = prod(x->shape, (int32_t)(bd + k), x->rank) * npuc_dtype_size(x->dtype);
+    st->i[4] = prod(x->shape, (int32_t)bd, (int32_t)(bd + k));
+    memcpy(&st->i[5], x->shape + bd, sizeof(int64_t) * (size_t)k);
+    st->run = gather_nd_run;
+    return 0;
+}
+
+enum { RED_NONE, RED_ADD, RED_MUL, RED_MAX, RED_MIN };
+
+static int scatter_reduction(rt_binder *b, rt_step *st, int dt, int *red) {
+    static const char *const names[] = {"none", "add", "mul", "max", "min"};
+    const char *s;
+    int rc;
+    if ((rc = og_attr_str(b, st, "reduction", "none", &s))) return rc;
+    *red = -1;
+    for (int k = 0; k < 5; k++)
+        if (strcmp(s, names[k]) == 0) *red = k;
+    if (*red < 0) return og_invalid(b, st, "unknown reduction '%s'", s);
+    if (*red != RED_NONE && !og_is_f32ish(dt) && !og_is_int(dt))
+        return og_no_kernel(b, st, "no kernel for a %s reduction of %s", s, npuc_dtype_name(dt));
+    return 0;
+}
+
+/* dst[0] = dst[0] (op) src[0], one element of dtype dt, as torch's in-place ops: computed in
+ * f32 (float storage) or int64 (integers, wrapping), rounded at the store. */
+static void combine(char *dst, const char *src, int dt, int red, int64_t es) {
+    if (red == RED_NONE) {
+        memcpy(dst, src, (size_t)es);
+    } else if (og_is_f32ish(dt)) {
+        float a, v;
+        og_load_f32(dst, dt, 0, 0, 1, &a);
+        og_load_f32(src, dt, 0, 0, 1, &v);
+        a = red == RED_ADD ? a + v : red == RED_MUL ? a * v : (a != a || v != v) ? a + v
+            : red == RED_MAX ? (v > a ? v : a) : (v < a ? v : a);
+        og_store_f32(dst, dt, 0, &a, 1);
+    } else {
+        int64_t a, v;
+        og_load_i64(dst, dt, 0, 0, 1, &a);
+        og_load_i64(src, dt, 0, 0, 1, &v);
+        a = red == RED_ADD   ? (int64_t)((uint64_t)a + (uint64_t)v)
+            : red == RED_MUL ? (int64_t)((uint64_t)a * (uint64_t)v)
+            : red == RED_MAX ? (v > a ? v : a)
+                             : (v < a ? v : a);
+        og_store_i64(dst, dt, 0, &a, 1);
+    }
+}
+
+/* scatter_elements: out = data; out[p with its axis coordinate = idx[p]] (op)= updates[p], in
+ * the order of p. st->i: [0] axis, [1] reduction */
+static int scatter_elements_run(const rt_step *st, struct npuc_session *s) {
+    (void)s;
+    const rt_view *x = &st->in[0], *idx = &st->in[1];
+    int32_t r = x->rank, ax = (int32_t)st->i[0];
+    int64_t es = npuc_dtype_size(x->dtype), cs[NPUC_MAX_RANK], c[NPUC_MAX_RANK] = {0};
+    if (check_indices(idx, x->shape[ax])) return NPUC_E_KERNEL;
+    if (st->out[0].data != x->data) memcpy(st->out[0].data, x->data, st->out[0].nbytes);
+    contiguous(r, x->shape, cs);
+    for (int64_t i = 0; i < idx->numel; i++) {
+        int64_t v = load_index(idx->data, idx->dtype, i), off = 0;
+        if (v < 0) v += x->shape[ax];
+        for (int32_t d = 0; d < r; d++) off += (d == ax ? v : c[d]) * cs[d];
+        combine((char *)st->out[0].data + off * es, (const char *)st->in[2].data + i * es, x->dtype, (int)st->i[1],
+                es);
+        for (int32_t d = r - 1; d >= 0 && ++c[d] == idx->shape[d]; d--) c[d] = 0;
+    }
+    return 0;
+}
+
+static int bind_scatter_elements(rt_binder *b, rt_step *st) {
+    int rc, red;
+    int64_t axis;
+    int32_t ax;
+    if ((rc = og_check_arity(b, st, 3, 3, 1)) || (rc = og_attr_int(b, st, "axis", 1, 0, &axis))) return rc;
+    const rt_view *x = &st->in[0], *idx = &st->in[1], *upd = &st->in[2];
+    if ((rc = og_norm_axis(b, st, axis, x->rank, &ax))) return rc;
+    int fits = index_dtype_ok(idx->dtype) && idx->rank == x->rank && upd->rank == idx->rank;
+    fits = fits && upd->dtype == x->dtype;
+    for (int32_t d = 0; fits && d < x->rank; d++)
+        fits = (d == ax || idx->shape[d] <= x->shape[d]) && upd->shape[d] == idx->shape[d];
+    if (!fits) return og_invalid(b, st, "scatter_elements indices or updates do not fit the data on axis %d", ax);
+    if ((rc = scatter_reduction(b, st, x->dtype, &red))) return rc;
+    if ((rc = og_check_out(b, st, 0, x->dtype, x->rank, x->shape))) return rc;
+    if (x->rank == 0) return og_no_kernel(b, st, "no kernel for scatter_elements into a scalar");
+    if (b->dry) return 0;
+    st->i[0] = ax;
+    st->i[1] = red;
+    st->run = scatter_elements_run;
+    return 0;
+}
+
+/* scatter_nd: out = data; for each index tuple n (in order), out[idx[n] mod shape] (op)=
+ * updates[n] (a slice of shape[k:]). Indices wrap as the reference's Python `%` does.
+ * st->i: [0] tuples, [1] k, [2] slice elements, [3] reduction, [4..4+k) the addressed dims */
+static int scatter_nd_run(const rt_step *st, struct npuc_session *s) {
+    (void)s;
+    const rt_view *x = &st->in[0], *idx = &st->in[1];
+    int64_t n = st->i[0], k = st->i[1], inner = st->i[2], es = npuc_dtype_size(x->dtype);
+    const int64_t *dims = &st->i[4];
+    char *out = st->out[0].data;
+    const char *upd = st->in[2].data;
+    if (out != x->data) memcpy(out, x->data, st->out[0].nbytes);
+    for (int64_t j = 0; j < n; j++) {
+        int64_t at = 0;
+        for (int64_t d = 0; d < k; d++) {
+            if (dims[d] == 0) return NPUC_E_KERNEL;
+            int64_t v = load_index(idx->data, idx->dtype, j * k + d) % dims[d];
+            at = at * dims[d] + (v < 0 ? v + dims[d] : v);
+        }
+        for (int64_t e = 0; e < inner; e++)
+            combine(out + (at * inner + e) * es, upd + (j * inner + e) * es, x->dtype, (int)st->i[3], es);
+    }
+    return 0;
+}
+
+static int bind_scatter_nd(rt_binder *b, rt_step *st) {
+    int rc, red;
+    if ((rc = og_check_arity(b, st, 3, 3, 1))) return rc;
+    const rt_view *x = &st->in[0], *idx = &st->in[1], *upd = &st->in[2];
+    if (!index_dtype_ok(idx->dtype) || idx->rank < 1 || idx->shape[idx->rank - 1] > x->rank)
+        return og_invalid(b, st, "scatter_nd indices do not fit the data");
+    int32_t k = (int32_t)idx->shape[idx->rank - 1], want = idx->rank - 1 + x->rank - k;
+    int fits = upd->dtype == x->dtype && upd->rank == want;
+    for (int32_t d = 0; fits && d < want; d++)
+        fits = upd->shape[d] == (d < idx->rank - 1 ? idx->shape[d] : x->shape[k + d - (idx->rank - 1)]);
+    if (!fits) return og_invalid(b, st, "scatter_nd updates do not fit the indices and data");
+    if ((rc = scatter_reduction(b, st, x->dtype, &red))) return rc;
+    if ((rc = og_check_out(b, st, 0, x->dtype, x->rank, x->shape))) return rc;
+    if (b->dry) return 0;
+    st->i[0] = prod(idx->shape, 0, idx->rank - 1);
+    st->i[1] = k;
+    st->i[2] = prod(x->shape, k, x->rank);
+    st->i[3] = red;
+    memcpy(&st->i[4], x->shape, sizeof(int64_t) * (size_t)k);
+    st->run = scatter_nd_run;
+    return 0;
+}
+
 /* ---- sources: full, arange --------------------------------------------------------------- */
 
 /* full: st->i[0] holds the element's bytes. */
@@ -710,6 +894,9 @@ static const og_entry TABLE[] = {
     {"pad", bind_pad},
     {"gather", bind_gather},
     {"gather_elements", bind_gather_elements},
+    {"gather_nd", bind_gather_nd},
+    {"scatter_elements", bind_scatter_elements},
+    {"scatter_nd", bind_scatter_nd},
     {"index", bind_index},
     {"full", bind_full},
     {"arange", bind_arange},

@@ -60,77 +60,142 @@ typedef struct {
     void *out;
 } red_job;
 
-static void red_range(const void *pj, int64_t lo, int64_t hi, int tid) {
-    (void)tid;
-    const red_job *j = pj;
+/* The dtype's extreme: a max or min over nothing (as the reference's fill). */
+static int64_t int_extreme(int dt, int smallest_wanted) {
+    int mx = smallest_wanted; /* min over nothing: the largest value */
+    switch (dt) {
+    case NPUC_I64: return mx ? INT64_MAX : INT64_MIN;
+    case NPUC_I32: return mx ? INT32_MAX : INT32_MIN;
+    case NPUC_I16: return mx ? INT16_MAX : INT16_MIN;
+    case NPUC_I8: return mx ? INT8_MAX : INT8_MIN;
+    case NPUC_U8: return mx ? UINT8_MAX : 0;
+    default: return mx; /* bool */
+    }
+}
+
+static double float_init(int kind) {
+    return kind == R_PROD ? 1.0 : kind == R_MAX ? -INFINITY : kind == R_MIN ? INFINITY : 0.0;
+}
+
+static inline double fold_f(int kind, double a, double x) {
+    switch (kind) {
+    case R_SUM: case R_MEAN: return a + x;
+    case R_PROD: return a * x;
+    case R_MAX: return (x != x || a != a) ? NAN : x > a ? x : a;
+    default: return (x != x || a != a) ? NAN : x < a ? x : a;
+    }
+}
+
+static inline int64_t fold_i(int kind, int64_t a, int64_t x, int first) {
+    switch (kind) {
+    case R_SUM: return (int64_t)((uint64_t)a + (uint64_t)x);
+    case R_PROD: return (int64_t)((uint64_t)a * (uint64_t)x);
+    case R_MAX: return first || x > a ? x : a;
+    default: return first || x < a ? x : a;
+    }
+}
+
+/* Input offset of output o's first reduced element. */
+static int64_t red_base(const red_plan *p, int64_t o) {
+    int64_t base = 0;
+    for (int32_t d = p->nk - 1; d >= 0; d--) {
+        base += (o % p->ks[d]) * p->kst[d];
+        o /= p->ks[d];
+    }
+    return base;
+}
+
+/* The next reduced position (an odometer over the reduced dims from `last` down). */
+static inline int64_t red_next(const red_plan *p, int64_t off, int64_t *idx, int32_t last) {
+    for (int32_t d = last; d >= 0; d--) {
+        off += p->rst[d];
+        if (++idx[d] < p->rs[d]) break;
+        off -= idx[d] * p->rst[d];
+        idx[d] = 0;
+    }
+    return off;
+}
+
+/* One output at a time, its innermost reduced dim read as a contiguous (or strided) line. */
+static void red_lines(const red_job *j, int64_t lo, int64_t hi) {
     const red_plan *p = j->p;
     int isf = og_is_f32ish(p->dt);
     int64_t inner = p->nr ? p->rs[p->nr - 1] : 1, ist = p->nr ? p->rst[p->nr - 1] : 0;
+    int64_t lines = inner ? p->count / inner : 0;
     for (int64_t o = lo; o < hi; o++) {
-        int64_t base = 0, rem = o;
-        for (int32_t d = p->nk - 1; d >= 0; d--) {
-            base += (rem % p->ks[d]) * p->kst[d];
-            rem /= p->ks[d];
-        }
-        double facc = p->kind == R_PROD ? 1.0 : p->kind == R_MAX ? -INFINITY : p->kind == R_MIN ? INFINITY : 0.0;
-        int64_t iacc = p->kind == R_PROD ? 1 : 0;
+        double facc = float_init(p->kind);
+        int64_t iacc = p->kind == R_PROD ? 1 : 0, idx[NPUC_MAX_RANK] = {0}, off = red_base(p, o);
         int first = 1;
-        int64_t idx[NPUC_MAX_RANK] = {0}, outer = p->count / (inner ? inner : 1), off = base;
-        for (int64_t line = 0; line < outer && p->count; line++) {
+        for (int64_t line = 0; line < lines; line++) {
             for (int64_t b0 = 0; b0 < inner; b0 += BLK) {
                 int64_t m = og_min64(BLK, inner - b0);
                 if (isf) {
                     float v[BLK];
                     og_load_f32(j->x, p->dt, off + b0 * ist, ist, m, v);
-                    for (int64_t k = 0; k < m; k++) {
-                        double x = v[k];
-                        switch (p->kind) {
-                        case R_SUM: case R_MEAN: facc += x; break;
-                        case R_PROD: facc *= x; break;
-                        case R_MAX: facc = (x != x || facc != facc) ? NAN : x > facc ? x : facc; break;
-                        default: facc = (x != x || facc != facc) ? NAN : x < facc ? x : facc; break;
-                        }
-                    }
+                    for (int64_t k = 0; k < m; k++) facc = fold_f(p->kind, facc, v[k]);
                 } else {
                     int64_t v[BLK];
                     og_load_i64(j->x, p->dt, off + b0 * ist, ist, m, v);
-                    for (int64_t k = 0; k < m; k++) {
-                        int64_t x = v[k];
-                        switch (p->kind) {
-                        case R_SUM: iacc = (int64_t)((uint64_t)iacc + (uint64_t)x); break;
-                        case R_PROD: iacc = (int64_t)((uint64_t)iacc * (uint64_t)x); break;
-                        case R_MAX: iacc = first || x > iacc ? x : iacc; break;
-                        default: iacc = first || x < iacc ? x : iacc; break;
-                        }
-                        first = 0;
-                    }
+                    for (int64_t k = 0; k < m; k++, first = 0) iacc = fold_i(p->kind, iacc, v[k], first);
                 }
             }
-            for (int32_t d = p->nr - 2; d >= 0; d--) { /* the next line: an odometer */
-                off += p->rst[d];
-                if (++idx[d] < p->rs[d]) break;
-                off -= idx[d] * p->rst[d];
-                idx[d] = 0;
-            }
+            off = red_next(p, off, idx, p->nr - 2);
         }
         if (isf) {
             if (p->kind == R_MEAN) facc = facc / (double)p->count; /* 0/0: NaN, as torch's */
             put_f(j->out, p->dt, o, (float)facc);
         } else {
-            if (first && (p->kind == R_MAX || p->kind == R_MIN)) { /* empty: the dtype's extreme */
-                int mx = p->kind == R_MIN;
-                switch (p->dt) {
-                case NPUC_I64: iacc = mx ? INT64_MAX : INT64_MIN; break;
-                case NPUC_I32: iacc = mx ? INT32_MAX : INT32_MIN; break;
-                case NPUC_I16: iacc = mx ? INT16_MAX : INT16_MIN; break;
-                case NPUC_I8: iacc = mx ? INT8_MAX : INT8_MIN; break;
-                case NPUC_U8: iacc = mx ? UINT8_MAX : 0; break;
-                default: iacc = mx; break; /* bool */
-                }
-            }
+            if (first && (p->kind == R_MAX || p->kind == R_MIN)) iacc = int_extreme(p->dt, p->kind == R_MIN);
             put_i(j->out, p->dt, o, iacc);
         }
     }
+}
+
+/* Where the input's last dim is kept, up to BLK neighbouring outputs read neighbouring
+ * elements: reduce them together, a contiguous block per reduced position. */
+static void red_columns(const red_job *j, int64_t lo, int64_t hi) {
+    const red_plan *p = j->p;
+    int isf = og_is_f32ish(p->dt);
+    int64_t L = p->ks[p->nk - 1];
+    for (int64_t o = lo; o < hi;) {
+        int64_t m = og_min64(og_min64(L - o % L, hi - o), BLK), idx[NPUC_MAX_RANK] = {0}, off = red_base(p, o);
+        double facc[BLK];
+        int64_t iacc[BLK];
+        for (int64_t k = 0; k < m; k++) {
+            facc[k] = float_init(p->kind);
+            iacc[k] = p->kind == R_PROD ? 1 : 0;
+        }
+        for (int64_t t = 0; t < p->count; t++) {
+            if (isf) {
+                float v[BLK];
+                og_load_f32(j->x, p->dt, off, 1, m, v);
+                for (int64_t k = 0; k < m; k++) facc[k] = fold_f(p->kind, facc[k], v[k]);
+            } else {
+                int64_t v[BLK];
+                og_load_i64(j->x, p->dt, off, 1, m, v);
+                for (int64_t k = 0; k < m; k++) iacc[k] = fold_i(p->kind, iacc[k], v[k], t == 0);
+            }
+            off = red_next(p, off, idx, p->nr - 1);
+        }
+        if (isf) {
+            float v[BLK];
+            for (int64_t k = 0; k < m; k++) v[k] = (float)(p->kind == R_MEAN ? facc[k] / (double)p->count : facc[k]);
+            og_store_f32(j->out, p->dt, o, v, m);
+        } else {
+            if (p->count == 0 && (p->kind == R_MAX || p->kind == R_MIN))
+                for (int64_t k = 0; k < m; k++) iacc[k] = int_extreme(p->dt, p->kind == R_MIN);
+            og_store_i64(j->out, p->dt, o, iacc, m);
+        }
+        o += m;
+    }
+}
+
+static void red_range(const void *pj, int64_t lo, int64_t hi, int tid) {
+    (void)tid;
+    const red_job *j = pj;
+    const red_plan *p = j->p;
+    if (p->nk > 0 && p->kst[p->nk - 1] == 1 && p->nr > 0) red_columns(j, lo, hi);
+    else red_lines(j, lo, hi);
 }
 
 static int red_run(const rt_step *st, struct npuc_session *s) {
@@ -254,8 +319,9 @@ static int bind_arg(rt_binder *b, rt_step *st) {
         if (d != ax) shape[r++] = x->shape[d];
         else if (keepdim) shape[r++] = 1;
     if ((rc = og_check_out(b, st, 0, NPUC_I64, r, shape))) return rc;
-    if (x->dtype == NPUC_F64 || npuc_dtype_size(x->dtype) == 0 || (x->rank && x->shape[ax] == 0))
-        return og_no_kernel(b, st, "no kernel for that operand");
+    if (x->dtype == NPUC_F64 || x->dtype == NPUC_BOOL || npuc_dtype_size(x->dtype) == 0 ||
+        (x->rank && x->shape[ax] == 0))
+        return og_no_kernel(b, st, "no kernel for that operand (torch's has none for bool or an empty axis)");
     if (b->dry) return 0;
     axis_view(st, x, ax);
     st->i[3] = strcmp(st->op->op, "argmin") == 0;
@@ -404,12 +470,13 @@ static int bind_cumsum(rt_binder *b, rt_step *st) {
     int64_t axis, exclusive, reverse;
     int32_t ax;
     if ((rc = og_check_arity(b, st, 1, 1, 1)) || (rc = og_attr_int(b, st, "axis", 0, 0, &axis)) ||
-        (rc = og_attr_int(b, st, "exclusive", 1, 0, &exclusive)) || (rc = og_attr_int(b, st, "reverse", 1, 0, &reverse)))
+        (rc = og_attr_int(b, st, "exclusive", 1, 0, &exclusive)) ||
+        (rc = og_attr_int(b, st, "reverse", 1, 0, &reverse)))
         return rc;
     const rt_view *x = &st->in[0];
     if ((rc = og_norm_axis(b, st, axis, x->rank, &ax)) || (rc = og_check_out(b, st, 0, x->dtype, x->rank, x->shape)))
         return rc;
-    if (x->dtype == NPUC_F64 || npuc_dtype_size(x->dtype) == 0 || (x->dtype == NPUC_BOOL && exclusive))
+    if (x->dtype == NPUC_F64 || x->dtype == NPUC_BOOL || npuc_dtype_size(x->dtype) == 0) /* torch: none for bool */
         return og_no_kernel(b, st, "no kernel for %s operands", npuc_dtype_name(x->dtype));
     if (b->dry) return 0;
     axis_view(st, x, ax);
@@ -421,8 +488,9 @@ static int bind_cumsum(rt_binder *b, rt_step *st) {
 
 /* ---- softmax, log_softmax ---------------------------------------------------------------- */
 
-/* torch: exp(x - max) * (1 / sum), and x - max - log(sum), in f32 (half types widened).
- * st->i: [0..2] outer, n, inner; [3] log */
+/* torch: exp(x - max) * (1 / sum), and x - max - log(sum), in f32 (half types widened; but
+ * torch's log_softmax of a half type along its last axis rounds the sum and its log to that
+ * type). st->i: [0..2] outer, n, inner; [3] log; [4] log of a half type along the last axis */
 static void softmax_range(const void *pj, int64_t lo, int64_t hi, int tid) {
     (void)tid;
     const rt_step *st = pj;
@@ -438,12 +506,20 @@ static void softmax_range(const void *pj, int64_t lo, int64_t hi, int tid) {
             for (int64_t k = 0; k < m; k++) mx = (v[k] > mx || v[k] != v[k]) && mx == mx ? v[k] : mx;
         }
         double sum = 0;
+        float *kept = !st->i[3] && inner == 1 && st->out[0].dtype == NPUC_F32 ? (float *)st->out[0].data + base : NULL;
         for (int64_t b0 = 0; b0 < n; b0 += BLK) {
             int64_t m = og_min64(BLK, n - b0);
             og_load_f32(x->data, x->dtype, base + b0 * inner, inner, m, v);
-            for (int64_t k = 0; k < m; k++) sum += expf(v[k] - mx);
+            for (int64_t k = 0; k < m; k++) v[k] = expf(v[k] - mx);
+            for (int64_t k = 0; k < m; k++) sum += v[k];
+            if (kept) memcpy(kept + b0, v, (size_t)m * sizeof(float)); /* f32 rows keep their exponentials */
         }
         float inv = 1.0f / (float)sum, lse = logf((float)sum);
+        if (st->i[4]) lse = rd(logf(rd((float)sum, x->dtype)), x->dtype); /* torch's half last-axis kernel */
+        if (kept) {
+            for (int64_t k = 0; k < n; k++) kept[k] *= inv;
+            continue;
+        }
         for (int64_t b0 = 0; b0 < n; b0 += BLK) {
             int64_t m = og_min64(BLK, n - b0);
             og_load_f32(x->data, x->dtype, base + b0 * inner, inner, m, v);
@@ -474,6 +550,7 @@ static int bind_softmax(rt_binder *b, rt_step *st) {
     if (b->dry) return 0;
     axis_view(st, x, ax);
     st->i[3] = strcmp(st->op->op, "log_softmax") == 0;
+    st->i[4] = st->i[3] && x->dtype != NPUC_F32 && ax == x->rank - 1;
     st->run = softmax_run;
     return 0;
 }
@@ -693,7 +770,8 @@ static int bind_matmul(rt_binder *b, rt_step *st) {
     if (a->dtype != bv->dtype) return og_invalid(b, st, "operands have different dtypes");
     if (a->rank < 1 || bv->rank < 1) return og_invalid(b, st, "matmul operands must have rank >= 1");
     int64_t M = a->rank == 1 ? 1 : a->shape[a->rank - 2], K = a->shape[a->rank - 1];
-    int64_t Kb = bv->rank == 1 ? bv->shape[0] : bv->shape[bv->rank - 2], N = bv->rank == 1 ? 1 : bv->shape[bv->rank - 1];
+    int64_t Kb = bv->rank == 1 ? bv->shape[0] : bv->shape[bv->rank - 2];
+    int64_t N = bv->rank == 1 ? 1 : bv->shape[bv->rank - 1];
     if (K != Kb) return og_invalid(b, st, "matmul contraction mismatch");
     int32_t ra = a->rank > 2 ? a->rank - 2 : 0, rb = bv->rank > 2 ? bv->rank - 2 : 0, nb = ra > rb ? ra : rb;
     int64_t shape[NPUC_MAX_RANK + 2], ast[NPUC_MAX_RANK], bst[NPUC_MAX_RANK];

@@ -143,16 +143,16 @@ static int check_structure(const npuc_model *m, npuc_error *err) {
         const rt_program *g = &m->programs[p];
         long long wrong = 0;
         int found = 0;
-#define REF(v)                                                                                                     \
-    if (!found && ((v) < 0 || (v) >= n)) found = 1, wrong = shown_index(v);
-        for (int32_t i = 0; i < g->n_inputs; i++) REF(g->inputs[i]);
-        for (int32_t i = 0; i < g->n_outputs; i++) REF(g->outputs[i]);
-        for (int32_t i = 0; i < g->plan.n_buffers; i++) REF(g->plan.buffers[i].tensor);
+#define REF(v, shown)                                                                                              \
+    if (!found && ((v) < 0 || (v) >= n)) found = 1, wrong = (shown);
+        for (int32_t i = 0; i < g->n_inputs; i++) REF(g->inputs[i], g->inputs[i]);
+        for (int32_t i = 0; i < g->n_outputs; i++) REF(g->outputs[i], g->outputs[i]);
+        for (int32_t i = 0; i < g->plan.n_buffers; i++) REF(g->plan.buffers[i].tensor, g->plan.buffers[i].tensor);
         for (int32_t k = 0; k < g->n_ops && !found; k++) {
             const rt_op *op = &g->ops[k];
-            for (int32_t i = 0; i < op->n_inputs; i++) REF(op->inputs[i]);
-            for (int32_t i = 0; i < op->n_outputs; i++) REF(op->outputs[i]);
-            if (op->workspace != -1) REF(op->workspace);
+            for (int32_t i = 0; i < op->n_inputs; i++) REF(op->inputs[i], op->inputs[i]);
+            for (int32_t i = 0; i < op->n_outputs; i++) REF(op->outputs[i], op->outputs[i]);
+            if (op->workspace != -1) REF(op->workspace, shown_index(op->workspace));
         }
 #undef REF
         if (found)
@@ -1080,23 +1080,35 @@ static int json_value(json *j, int *kind, size_t *start, size_t *len) {
      * for the caller to refuse as it finds it (Python's scanner backs off the same way). */
     size_t s0 = j->at;
     if (j->cp[j->at] == '-') j->at++;
+    size_t digits0 = j->at;
     if (j->at < j->n && j->cp[j->at] == '0') {
         j->at++;
     } else if (!json_digits(j)) {
         j->at = s0;
         return -1;
     }
-    size_t mark = j->at;
+    size_t mark = j->at, int_digits = j->at - digits0;
+    int is_float = 0;
     if (j->at < j->n && j->cp[j->at] == '.') {
         j->at++;
-        if (!json_digits(j)) j->at = mark;
+        if (!json_digits(j)) {
+            j->at = mark;
+        } else {
+            is_float = 1;
+        }
     }
     mark = j->at;
     if (j->at < j->n && (j->cp[j->at] == 'e' || j->cp[j->at] == 'E')) {
         j->at++;
         if (j->at < j->n && (j->cp[j->at] == '+' || j->cp[j->at] == '-')) j->at++;
-        if (!json_digits(j)) j->at = mark;
+        if (!json_digits(j)) {
+            j->at = mark;
+        } else {
+            is_float = 1;
+        }
     }
+    /* Python 3.11 refuses to convert an int of more than 4300 digits (a ValueError: not JSON). */
+    if (!is_float && int_digits > 4300) return -1;
     return 0;
 }
 
