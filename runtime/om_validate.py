@@ -49,7 +49,7 @@ from npuc.backend.memory_plan import Buffer, Plan, validate_plan
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
 if TYPE_CHECKING:
-    from npuc.ir import DType, OpDef
+    from npuc.ir import OpDef
 
 E_BOUNDS = "NPUC-E0404"
 E_PARSE = "NPUC-E0405"

@@ -327,7 +327,7 @@ def render(rows: list[Row], version: str) -> str:
         f"- **generate**: `npuc generate`'s greedy tokens against HF `generate` for {NEW} new tokens; \"k/{NEW}, "
         f"then a tie\": the k tokens agree, then HF's two best logits are within {TIE:g} (npuc's logits within",
         f"  {TOL:g} of HF's), so either token is the greedy one and the sequences part.",
-        f"- **native**: the C executor (libnpucrt, what `npuc generate` runs) against the torch interpreter on the",
+        "- **native**: the C executor (libnpucrt, what `npuc generate` runs) against the torch interpreter on the",
         f"  same `.om`: \"{NEW}/{NEW}\" when the greedy tokens are the same and every logit of the prefill and each",
         f"  decode step is within {NATIVE_TOL:g}; `refused: OP` where the library has no kernel for an op of the",
         "  model (its load refuses it, naming the op, and `npuc generate` runs the torch interpreter with a notice).",
