@@ -4,7 +4,7 @@
 `npuc run` take:
 
     ModelProto -> <tmp>/model.onnx -> compile_model(..., soc_version="cpu")
-               -> frontend, passes, backend -> <tmp>/model.om -> Session.load -> run
+               -> frontend, passes, backend -> <tmp>/model.om -> open_session (the C executor) -> run
 
 The ONNX model is never executed by anything but the `.om` (no onnxruntime, no
 onnx.reference). A model whose inputs have dynamic dims is compiled once per set
@@ -40,7 +40,8 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 from npuc.compiler.driver import compile_model
 from npuc.compiler.onnx_frontend import MAX_OPSET, MIN_OPSET, supported_elem_types, supported_op_types
 from npuc.errors import InternalError, NpucError
-from npuc.runtime import Session
+from npuc.runtime.executor import open_session
+from npuc.runtime.native_session import NativeSession
 
 # -- declared support -----------------------------------------------------------------
 # The conformance scope is exactly what these say; nothing else excludes a case.
@@ -165,7 +166,20 @@ def _to_torch(a: np.ndarray) -> Any:
     return torch.from_numpy(np.require(a, requirements=["C", "W"]))  # torch wants writable memory
 
 
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """The C executor takes bf16 as its 16 bits."""
+    return np.ascontiguousarray(a).view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def _from_bf16_bits(a: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return a.view(ml_dtypes.bfloat16)
+
+
 def _to_numpy(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
     import torch
 
     if t.dtype == torch.bfloat16:
@@ -188,16 +202,16 @@ class NpucBackendRep(BackendRep):
         inits = {t.name for t in model.graph.initializer}
         self.input_names = [vi.name for vi in model.graph.input if vi.name not in inits]
         self.output_names = [vo.name for vo in model.graph.output]
-        self._sessions: dict[tuple[tuple[int, ...], ...], Session] = {}
+        self._sessions: dict[tuple[tuple[int, ...], ...], Any] = {}
         if shapes is not None:
             self._session(shapes)
 
-    def _session(self, shapes: Mapping[str, tuple[int, ...]]) -> Session:
+    def _session(self, shapes: Mapping[str, tuple[int, ...]]) -> Any:
         key = tuple(tuple(shapes[n]) for n in self.input_names)
         if key not in self._sessions:
             out = os.path.join(self.workdir, f"model{len(self._sessions)}")
             om = compile_model(self.path, input_shape=dict(shapes), output=out, soc_version="cpu")
-            self._sessions[key] = Session.load(om)
+            self._sessions[key] = open_session(om, quiet=True)  # the C executor, or the interpreter for what it lacks
         return self._sessions[key]
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
@@ -208,7 +222,12 @@ class NpucBackendRep(BackendRep):
                 inputs = [inputs]
             feed = {n: np.asarray(v) for n, v in zip(self.input_names, inputs, strict=True)}
         sess = self._session({n: tuple(feed[n].shape) for n in self.input_names})
-        outs = sess.run({n: _to_torch(a) for n, a in feed.items()})
+        if isinstance(sess, NativeSession):
+            outs = sess.run({n: _bf16_bits(a) for n, a in feed.items()})
+            kinds = {t.name: t.dtype for t in sess.programs[next(iter(sess.programs))].outputs}
+            outs = {k: _from_bf16_bits(v) if kinds[k] == "bf16" else v for k, v in outs.items()}
+        else:
+            outs = sess.run({n: _to_torch(a) for n, a in feed.items()})
         # The .om keeps the model's output order; an output that passes an input through
         # cannot also carry the input's name, so position is what identifies it.
         if len(outs) != len(self.output_names):
@@ -498,7 +517,7 @@ npuc runs ONNX's own operator tests (the *node* test cases of `onnx.backend.test
 `npuc.onnx_backend.NpucBackend`, an `onnx.backend.base.Backend`. Its `prepare(model)` takes the
 whole npuc path: the `ModelProto` is saved as a `.onnx` in a work folder, compiled with
 `compile_model(path, input_shape=<the model's static input shapes>, soc_version="cpu")`
-(ONNX frontend, passes, backend, `.om` writer), and loaded with `Session.load`; `run(inputs)`
+(ONNX frontend, passes, backend, `.om` writer), and loaded with `open_session` (the C executor; the torch interpreter for an op it lacks); `run(inputs)`
 executes the `.om`. Nothing else ever evaluates the ONNX model (no onnxruntime, no
 `onnx.reference`). A model with dynamic input dims is compiled once per input shapes it is run with.
 

@@ -38,7 +38,7 @@ def test_output_defaults_to_the_model_name(hf_checkpoints: dict[str, Path], tmp_
 def test_dump_lists_every_op_with_offsets(llama_om: Path) -> None:
     r = cli("dump", str(llama_om))
     assert r.returncode == 0, r.stderr
-    sess = npuc.load(str(llama_om))
+    sess = npuc.load(str(llama_om), executor="torch")
     n_ops = len(sess.program.ops)
     op_lines = [ln for ln in r.stdout.splitlines() if ln.startswith("#")]
     assert len(op_lines) == n_ops > 30
@@ -55,7 +55,7 @@ def test_run_writes_named_outputs(llama_om: Path, tmp_path: Path) -> None:
     r = cli("run", str(llama_om), "--input", f"input_ids={tmp_path / 'ids.npy'}", "--output-dir", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr
     got = np.load(tmp_path / "o/logits.npy")
-    want = npuc.load(str(llama_om)).run({"input_ids": ids})["logits"].numpy()
+    want = npuc.load(str(llama_om), executor="torch").run({"input_ids": ids})["logits"].numpy()
     np.testing.assert_array_equal(got, want)
 
 
@@ -107,7 +107,7 @@ def test_compile_user_errors_have_no_traceback(hf_checkpoints: dict[str, Path], 
 
 def test_arena_garbage_does_not_leak_into_results(llama_om: Path) -> None:
     """Every value is written before it is read: poisoning the arena changes nothing."""
-    sess = npuc.load(str(llama_om))
+    sess = npuc.load(str(llama_om), executor="torch")
     ids = torch.arange(16).reshape(1, 16)
     clean = sess.run({"input_ids": ids})["logits"]
     sess.arena.view(torch.float32).fill_(float("nan")) if sess.arena_bytes % 4 == 0 else sess.arena.fill_(255)

@@ -78,7 +78,7 @@ def test_dump_ir_after_all_writes_every_stage_and_each_parses_back(tmp_path: Pat
     assert re.search(r"= swiglu\(", last) and re.search(r"= rms_norm\[", last) and "silu(" not in last
     # The last dump is the program that was lowered: one op per node.
     ops = [ln.split("=", 1)[1].split("(")[0].split("[")[0].strip() for ln in last.splitlines() if " = " in ln]
-    assert ops == [op.op for op in npuc.load(om).program.ops]
+    assert ops == [op.op for op in npuc.load(om, executor="torch").program.ops]
 
 
 def test_dump_ir_after_names_selects_passes_by_name(tiny_pt2: Path, tmp_path: Path) -> None:
@@ -213,7 +213,7 @@ def test_fusion_report_lists_rules_provenance_and_op_counts(hf_checkpoints: dict
 
     # Every fused op of the final program, traced back to nodes of the frontend's graph.
     frontend = set(re.findall(r"^  %(\S+) :", (tmp_path / "ir" / "00-input.ir").read_text(), re.M))
-    ops = {op.name: op.op for op in npuc.load(om).program.ops}
+    ops = {op.name: op.op for op in npuc.load(om, executor="torch").program.ops}
     kinds = {v["op"] for v in report["fused_ops"].values()}
     assert {"swiglu", "rms_norm", "rope_lut"} <= kinds
     for name, v in report["fused_ops"].items():

@@ -110,7 +110,7 @@ def test_complex_converters_match_torch(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     x, angle = torch.randn(2, 3, 4, 8, generator=g), torch.randn(3, 4, 4, generator=g)
     m = ComplexOps().eval()
-    out = npuc.load(npuc.compile(m, input_shape="x:2,3,4,8;angle:3,4,4", output=str(tmp_path / "c"))).run(
+    out = npuc.load(npuc.compile(m, input_shape="x:2,3,4,8;angle:3,4,4", output=str(tmp_path / "c")), executor="torch").run(
         {"x": x, "angle": angle})
     for got, want in zip(out.values(), m(x, angle), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,7 @@ from npuc.compiler.torch_frontend import CONVERTERS
 from npuc.ir import all_ops
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_DIRS = ["ir", "compiler", "passes", "backend", "runtime", "cli"]
+CODE_DIRS = ["ir", "compiler", "passes", "backend", "runtime", "apps", "tools", "cli"]
 
 
 def test_error_table_matches_code() -> None:
@@ -18,6 +18,9 @@ def test_error_table_matches_code() -> None:
     for d in CODE_DIRS:
         for f in (ROOT / d).rglob("*.py"):
             used |= set(re.findall(r"NPUC-E\d{4}", f.read_text()))
+    # the C API's codes, as numbers in its header
+    used |= {f"NPUC-E{int(n):04d}" for n in re.findall(r"^#define NPUC_E_\w+ (\d+)", (ROOT / "include/npucrt.h")
+                                                        .read_text(), re.M)}
     table = set(re.findall(r"^\| (NPUC-E\d{4}) \|", (ROOT / "docs/errors.md").read_text(), re.M))
     assert used == table, {"undocumented": sorted(used - table), "unused": sorted(table - used)}
 

@@ -44,7 +44,7 @@ def test_module_api_matches_eager(tmp_path: Path) -> None:
     ids, x = _inputs()
     path = npuc.compile(m, input_shape="ids:2,4;x:2,4,8", input_dtypes={"ids": "int64"},
                         output=str(tmp_path / "block"))
-    out = npuc.load(path).run({"ids": ids, "x": x})
+    out = npuc.load(path, executor="torch").run({"ids": ids, "x": x})
     ref = m(ids, x)
     assert list(out) == ["output_0", "output_1"]
     for got, want in zip(out.values(), ref, strict=True):
@@ -60,7 +60,7 @@ def test_pt2_static_and_dynamic(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(tmp_path / "static.pt2"), "--input_shape",
                         "ids:2,4;x:2,4,8", "--output", str(tmp_path / "s")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    out = npuc.load(str(tmp_path / "s.om")).run({"ids": ids, "x": x})
+    out = npuc.load(str(tmp_path / "s.om"), executor="torch").run({"ids": ids, "x": x})
     torch.testing.assert_close(out["output_0"], m(ids, x)[0], atol=1e-5, rtol=1e-5)
 
     # A static .pt2 cannot be compiled at another shape: say so, naming the input and the dims.
@@ -76,7 +76,7 @@ def test_pt2_static_and_dynamic(tmp_path: Path) -> None:
     torch.export.save(ep, str(tmp_path / "dyn.pt2"))
     path = npuc.compile(str(tmp_path / "dyn.pt2"), input_shape="ids:3,4;x:3,4,8", output=str(tmp_path / "d"))
     ids3, x3 = torch.randint(0, 10, (3, 4)), torch.randn(3, 4, 8)
-    out = npuc.load(path).run({"ids": ids3, "x": x3})
+    out = npuc.load(path, executor="torch").run({"ids": ids3, "x": x3})
     torch.testing.assert_close(out["output_1"], m(ids3, x3)[1], atol=1e-5, rtol=1e-5)
 
 
@@ -120,7 +120,7 @@ class Extremes(nn.Module):
 def test_max_and_min_along_a_dim(tmp_path: Path) -> None:
     x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0))
     x[0, 0, 1] = x[0, 0, 3] = 9.0  # a tie: torch gives the first index
-    out = npuc.load(npuc.compile(Extremes(), input_shape="x:3,4,5", output=str(tmp_path / "x"))).run({"x": x})
+    out = npuc.load(npuc.compile(Extremes(), input_shape="x:3,4,5", output=str(tmp_path / "x")), executor="torch").run({"x": x})
     for got, want in zip(out.values(), Extremes()(x), strict=True):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, atol=0, rtol=0)
@@ -136,7 +136,7 @@ def test_tied_embeddings_checkpoint(tmp_path: Path) -> None:
     model.save_pretrained(str(tmp_path / "tied"))
     path = npuc.compile(str(tmp_path / "tied"), input_shape="input_ids:1,16", output=str(tmp_path / "tied"))
     ids = torch.randint(0, 128, (1, 16))
-    got = npuc.load(path).run({"input_ids": ids})["logits"]
+    got = npuc.load(path, executor="torch").run({"input_ids": ids})["logits"]
     torch.testing.assert_close(got, model(ids).logits, atol=1e-4, rtol=0)
 
 
@@ -161,7 +161,7 @@ def test_checkpoint_weights_stream_without_loading(hf_checkpoints: dict[str, Pat
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_checkpoints["qwen2"])).eval()
     ids = torch.arange(16).reshape(1, 16)
-    torch.testing.assert_close(npuc.load(path).run({"input_ids": ids})["logits"], model(ids).logits,
+    torch.testing.assert_close(npuc.load(path, executor="torch").run({"input_ids": ids})["logits"], model(ids).logits,
                                atol=1e-4, rtol=0)
 
 
@@ -188,7 +188,7 @@ def test_layer_norm_and_stack(tmp_path: Path) -> None:
     torch.manual_seed(0)
     m = Norms().eval()
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1)) * 3 + 1
-    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8", output=str(tmp_path / "n"))).run({"x": x})
+    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8", output=str(tmp_path / "n")), executor="torch").run({"x": x})
     for got, want in zip(out.values(), m(x), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -220,7 +220,7 @@ def test_more_ops_match_eager(tmp_path: Path) -> None:
     m = MoreOps().eval()
     g = torch.Generator().manual_seed(2)
     x, b = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8;b:2,4,8", output=str(tmp_path / "o"))).run({"x": x, "b": b})
+    out = npuc.load(npuc.compile(m, input_shape="x:2,4,8;b:2,4,8", output=str(tmp_path / "o")), executor="torch").run({"x": x, "b": b})
     for got, want in zip(out.values(), m(x, b), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -248,7 +248,7 @@ def test_math_ops_match_eager(tmp_path: Path) -> None:
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(4))
     n = torch.arange(-16, 16).reshape(2, 16)
     om = npuc.compile(m, input_shape="x:2,4,8;n:2,16", input_dtypes={"n": torch.int64}, output=str(tmp_path / "m"))
-    out = npuc.load(om).run({"x": x, "n": n})
+    out = npuc.load(om, executor="torch").run({"x": x, "n": n})
     for got, want in zip(out.values(), m(x, n), strict=True):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -283,7 +283,7 @@ def test_mixer_ops_match_eager(tmp_path: Path) -> None:
     m = MixerOps().eval()
     x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(5))
     om = npuc.compile(m, input_shape="x:2,12,8", output=str(tmp_path / "m"))
-    out = npuc.load(om).run({"x": x})
+    out = npuc.load(om, executor="torch").run({"x": x})
     with torch.no_grad():
         want = m(x)
     assert len(out) == len(want)
@@ -305,6 +305,6 @@ def test_index_after_slices_matches_eager(tmp_path: Path) -> None:
     i, j = torch.tensor([[0, 2], [2, 1]]), torch.tensor([1, 0])
     om = npuc.compile(m, input_shape="x:3,4,5,6;i:2,2;j:2", input_dtypes={"i": torch.int64, "j": torch.int64},
                       output=str(tmp_path / "m"))
-    out = npuc.load(om).run({"x": x, "i": i, "j": j})
+    out = npuc.load(om, executor="torch").run({"x": x, "i": i, "j": j})
     for got, want in zip(out.values(), m(x, i, j), strict=True):
         torch.testing.assert_close(got, want)

@@ -63,7 +63,7 @@ def test_fused_program_matches_the_source(arch: str, path: str, hf_checkpoints: 
     import npuc
 
     src = _source(arch, path, hf_checkpoints, onnx_exports)
-    sess = npuc.load(npuc.compile(src, input_shape="input_ids:1,16", output=str(tmp_path / "m")))
+    sess = npuc.load(npuc.compile(src, input_shape="input_ids:1,16", output=str(tmp_path / "m")), executor="torch")
     ids = np.random.default_rng(3).integers(0, 128, size=(1, 16), dtype=np.int64)
     got = next(iter(sess.run({"input_ids": ids}).values())).numpy()
     if path == "torch":

@@ -112,11 +112,11 @@ def test_names_split_on_the_last_colon_and_static_inputs_need_no_shape(model: Pa
     path = npuc.compile(str(model), input_shape=" input_ids:2,5 ; attention_mask:2,5 ", output=str(tmp_path / "ok"))
     a = np.arange(10, dtype=np.int64).reshape(2, 5)
     x = np.ones((2, 3), dtype=np.float32)
-    out = npuc.load(path).run({"input_ids": a, "attention_mask": a, "x:0": x})
+    out = npuc.load(path, executor="torch").run({"input_ids": a, "attention_mask": a, "x:0": x})
     np.testing.assert_array_equal(out["y"].numpy(), a + a)
     np.testing.assert_array_equal(out["z"].numpy(), -x)
     path = npuc.compile(str(model), input_shape="input_ids:1,3;attention_mask:1,3;x:0:2,3", output=str(tmp_path / "b"))
-    assert npuc.load(path).inputs[2].shape == (2, 3)
+    assert npuc.load(path, executor="torch").inputs[2].shape == (2, 3)
 
 
 def test_dim_names_bind_every_input_that_uses_them(model: Path, tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_dim_names_bind_every_input_that_uses_them(model: Path, tmp_path: Path) 
 
     for shape in ("batch:2;seq:5", " seq:5 ; batch:2 ", "batch:2;seq:5;input_ids:2,5"):
         path = npuc.compile(str(model), input_shape=shape, output=str(tmp_path / "n"))
-        assert [t.shape for t in npuc.load(path).inputs] == [(2, 5), (2, 5), (2, 3)], shape
+        assert [t.shape for t in npuc.load(path, executor="torch").inputs] == [(2, 5), (2, 5), (2, 3)], shape
 
 
 def test_a_dim_written_as_a_sum_is_computed_from_its_names() -> None:

@@ -628,7 +628,7 @@ def test_a_broken_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path:
 def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
     assert native.library() is not None
-    built = list((tmp_path / "kernels").glob("kernels-*.so"))
+    built = list((tmp_path / "kernels").glob("libnpucrt-*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
     native.library.cache_clear()
@@ -638,7 +638,7 @@ def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_CACHE_DIR", str(tmp_path))
     assert native.library() is not None
-    (built,) = (tmp_path / "kernels").glob("kernels-*.so")
+    (built,) = (tmp_path / "kernels").glob("libnpucrt-*.so")
     damaged = tmp_path / "damaged"
     damaged.write_bytes(built.read_bytes()[:100])  # truncated, as a full disk or a crash leaves it
     os.replace(damaged, built)  # a new file: the loaded one stays mapped (in place it would SIGBUS)

@@ -427,6 +427,7 @@ def _both(native_cls: Any, path: str, feeds: dict[str, np.ndarray], program: str
 
 @pytest.mark.parametrize("case", ["decode", "chunk-i32", "prefill-absorbed", "prefill-expanded", "moe", "qmoe"])
 def test_native_session_runs_one_op(native_session: Any, tmp_path: Path, case: str) -> None:
+    consts: tuple[int, ...]
     if case == "moe":
         op, ins, attrs, consts = "fused_moe", moe_operands(3, 8, 32, 24, seed=2, bias=True), V3, (1, 2, 3, 4)
     elif case == "qmoe":

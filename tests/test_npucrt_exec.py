@@ -192,3 +192,40 @@ def test_load_refusals_match_the_python_side(gen_models: dict[str, Path], tmp_pa
         with pytest.raises(NpucError) as got:
             NativeSession(str(path))
         assert got.value.code == want.value.code, name
+
+
+def test_npuc_load_runs_the_c_executor_and_falls_back_with_a_notice(gen_models: dict[str, Path], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import npuc
+    from ir_build import f32, node
+
+    from npuc.backend.lower import lower
+    from npuc.backend.targets import get_target
+    from npuc.backend.writer import write_om
+    from npuc.ir import Graph
+
+    assert isinstance(npuc.load(str(gen_models["llama"])), NativeSession)
+    assert isinstance(npuc.load(str(gen_models["llama"]), executor="torch"), Session)
+    monkeypatch.setenv("NPUC_EXECUTOR", "torch")
+    assert isinstance(npuc.load(str(gen_models["llama"])), Session)
+    monkeypatch.delenv("NPUC_EXECUTOR")
+    # einsum has no native kernel: the load refuses it, naming it, and npuc.load runs the interpreter
+    g = Graph("g")
+    a, b = g.add_input("a", f32(2, 3)), g.add_input("b", f32(3, 4))
+    g.set_outputs([node(g, "einsum", [a, b], {"equation": "ij,jk->ik"})])
+    om = str(tmp_path / "einsum.om")
+    write_om(lower(g, get_target("cpu")), om)
+    with pytest.raises(NpucError) as e:
+        NativeSession(om)
+    assert e.value.code == "NPUC-E0413" and "einsum" in e.value.message
+    capsys.readouterr()
+    s = npuc.load(om)
+    assert isinstance(s, Session)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "einsum" in err and "torch interpreter" in err
+    x, y = np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)
+    assert np.allclose(s.run({"a": x, "b": y})[g.outputs[0].name].numpy(), x @ y)
+    monkeypatch.setenv("NPUC_EXECUTOR", "native")
+    with pytest.raises(NpucError):
+        npuc.load(om)

@@ -16,6 +16,11 @@ compared. The files: the fuzz corpus, the om_fuzz seeds, the hostile edits of
 tests/test_om_validate.py, malformed tokenizer sections, and seeded om_fuzz mutants.
 Then the same files and more mutants go through an ASan + UBSan build of the loader
 (npucrt/tests/load_driver.c), which must report nothing.
+
+Where C differs by design, the reference says what C says: a string the model keeps that holds
+a NUL (C strings: the section "does not parse"), a rank past 8 (refused after the checks of
+every dim), and a table that lies outside a table's dims (left to the shape rule). Asserted
+on their own: more than 64 sections, and a tensor-parallel manifest (NPUC-E0150).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tests.fuzz import om_fuzz
 
 pytestmark = pytest.mark.skipif(npucrt_util.compiler() is None, reason="no C compiler")
 
+_DAMAGED = "the file is damaged or was edited after compiling; recompile the model with `npuc compile`"
 # Messages the C loader words differently, by design: Python names the program set in its
 # hash order; a workspace outside the arena is refused without the size the op's rule needs.
 MESSAGE_MAY_DIFFER = re.compile(r"names a program the model does not have|has a workspace of \d+ bytes in")
@@ -184,9 +190,9 @@ def _ported_only() -> Iterator[None]:
         om_validate.check_ops, om_validate.check_tensors, om_validate._check_index = full
 
 
-def python_load(path: str, ported: bool) -> tuple[int, str]:
-    """(code, message) of the Python side's load without running anything; (0, "") when it
-    loads; (-1, what) when it raises something other than NpucError."""
+def python_load(path: str, ported: bool) -> tuple[int, str, str]:
+    """(code, message, hint) of the Python side's load without running anything; (0, "", "")
+    when it loads; (-1, what, "") when it raises something other than NpucError."""
     from npuc.backend.om_format import OmFile
     from npuc.backend.om_sections import MODEL_SECTIONS, join_model
     from npuc.errors import NpucError
@@ -198,17 +204,17 @@ def python_load(path: str, ported: bool) -> tuple[int, str]:
             sections = {name: bytes(om.section(name)) for name in MODEL_SECTIONS}
             nul = _nul_section(sections)
             if nul is not None:
-                return 405, f"{om.path}: the {nul} section does not parse"
+                return 405, f"{om.path}: the {nul} section does not parse", _DAMAGED
             model = join_model(om.path, sections)
             tokenizer = bytes(om.section("tokenizer")) if "tokenizer" in om.section_names() else None
             with om.section("weights") as weights, (_ported_only() if ported else contextlib.nullcontext()):
                 validate_model(str(om.path), model, weights, tokenizer)
             parallel.check_rank(om.path, {e.key: e.value for e in model.metadata})
-        return 0, ""
+        return 0, "", ""
     except NpucError as e:
-        return int(e.code.removeprefix("NPUC-E")), e.message
+        return int(e.code.removeprefix("NPUC-E")), e.message, e.hint
     except Exception as e:  # noqa: BLE001 - a crash of the reference: reported by the caller
-        return -1, f"{type(e).__name__}: {e}"
+        return -1, f"{type(e).__name__}: {e}", ""
 
 
 # ---------------------------------------------------------------- fixtures
@@ -232,11 +238,12 @@ def _write(dirpath: Path, name: str, data: bytes) -> Path:
 
 
 def compare(lib: Any, path: Path, stats: Counter[str] | None = None) -> None:
-    """The C loader against the ported reference (code, and message but where it may differ)."""
-    code, message, _ = npucrt_util.load_raw(lib, path)
-    want, want_msg = python_load(str(path), ported=True)
+    """The C loader against the ported reference: its code, and its message and hint word for
+    word but where they may differ."""
+    code, message, hint = npucrt_util.load_raw(lib, path)
+    want, want_msg, want_hint = python_load(str(path), ported=True)
     if stats is not None:
-        full, _ = python_load(str(path), ported=False)
+        full, _, _ = python_load(str(path), ported=False)
         stats["loads" if full == 0 else ("refused: ported check" if full == want else "refused: binders' check")] += 1
         stats[f"C {code}"] += 1
     assert want != -1, f"{path.name}: the ported reference crashed: {want_msg}"
@@ -244,6 +251,7 @@ def compare(lib: Any, path: Path, stats: Counter[str] | None = None) -> None:
     if not MESSAGE_MAY_DIFFER.search(want_msg):
         py = want_msg.encode()
         assert message == py[:767], f"{path.name}:\n C: {message!r}\n Py: {py!r}"
+        assert hint == want_hint.encode()[:255], f"{path.name}: hint {hint!r}, Python's {want_hint!r}"
 
 
 def _mutants(seeds: list[Path], seed: int, n: int) -> Iterator[tuple[str, bytes]]:
@@ -303,6 +311,13 @@ def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> 
     fifo = tmp_path / "fifo.om"
     os.mkfifo(fifo)
     compare(lib, fifo)  # refused, never waited on
+    # More sections than the model struct holds (a writer makes six): refused once the first 64
+    # pass, where Python reads on; a bad entry among the first 64 is refused alike.
+    many = om_fuzz.OmImage([*img.sections, *[(f"x{i}", b"") for i in range(70)]]).seal()
+    code, message = npucrt_util.load(lib, _write(tmp_path, "many.om", many))
+    assert code == 404 and message.endswith("it has 75 sections; this runtime reads at most 64"), message
+    compare(lib, _write(tmp_path, "many_bad.om", om_fuzz.OmImage(
+        [*img.sections[:2], ("bad/name", b""), *img.sections[2:], *[(f"x{i}", b"") for i in range(70)]]).seal()))
     # A tensor-parallel manifest is for torchrun: refused by name (the Python side: NPUC-E0150 too).
     manifest = om_fuzz.OmImage([("manifest", b'{"format": "npuc-ranks"}'), *img.sections]).seal()
     code, message = npucrt_util.load(lib, _write(tmp_path, "manifest.om", manifest))
@@ -352,10 +367,12 @@ def test_plan_overlaps_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> Non
 # bits, 10-byte varints, wire types, UTF-8) that the C decoder must share.
 PROTO_TAILS: list[tuple[str, bytes]] = [
     ("metadata", b"\x0b" * 100 + b"\x0c" * 100), ("metadata", b"\x0b" * 101 + b"\x0c" * 101),
-    ("metadata", b"\x0a\xc6\x01" + b"\x1b" * 99 + b"\x1c" * 99), ("metadata", b"\x0a\xc8\x01" + b"\x1b" * 100 + b"\x1c" * 100),
+    ("metadata", b"\x0a\xc6\x01" + b"\x1b" * 99 + b"\x1c" * 99),
+    ("metadata", b"\x0a\xc8\x01" + b"\x1b" * 100 + b"\x1c" * 100),
     ("metadata", b"\x0b\x0c\x0c"), ("metadata", b"\x0c"), ("metadata", b"\x0b\x14"), ("metadata", b"\x0b"),
-    ("metadata", b"\xf8\xff\xff\xff\x0f\x01"), ("metadata", b"\x80\x80\x80\x80\x10"), ("metadata", b"\xf8\xff\xff\xff\x1f\x01"),
-    ("metadata", b"\x02\x00"), ("metadata", b"\x10" + b"\xff" * 9 + b"\x7f"), ("metadata", b"\x10" + b"\xff" * 10 + b"\x01"),
+    ("metadata", b"\xf8\xff\xff\xff\x0f\x01"), ("metadata", b"\x80\x80\x80\x80\x10"),
+    ("metadata", b"\xf8\xff\xff\xff\x1f\x01"), ("metadata", b"\x02\x00"),
+    ("metadata", b"\x10" + b"\xff" * 9 + b"\x7f"), ("metadata", b"\x10" + b"\xff" * 10 + b"\x01"),
     ("metadata", b"\x0e"), ("metadata", b"\x0f"), ("metadata", b"\x0d\x00\x00\x00"), ("metadata", b"\x09" + bytes(8)),
     ("metadata", b"\x0a\x03\x0a\x01\xff"), ("metadata", b"\x0a\x05\x0a\x03\xed\xa0\x80"),
     ("metadata", b"\x0a\x04\x0a\x02\xc0\xaf"), ("metadata", b"\x0a\x06\x0a\x04\xf4\x90\x80\x80"),
@@ -447,7 +464,8 @@ EDITS: list[tuple[str, Any]] = [
     ("programs_meta", _meta_edit("programs", "prefill,,decode")),
     ("long_meta", _meta_edit("max_seq_len", "\u00e9" * 200)),
     ("repr_single", _edits(_set("tensors.3.name", "it's"), _set("tensors.3.dtype", "f128"))),
-    ("repr_both", _edits(_set("tensors.3.name", "it's \"x\" \\ \t\x7f\x85\xa0\xad\u00e9\u200b\u2028\ue000\U0001f600\U000e0001"),
+    ("repr_both", _edits(_set("tensors.3.name",
+                              "it's \"x\" \\ \t\x7f\x85\xa0\xad\u00e9\u200b\u2028\ue000\U0001f600\U000e0001"),
                          _set("tensors.3.dtype", "f128"))),
     ("repr_long", _edits(_set("tensors.3.name", "\U0001f600" * 300), _set("tensors.3.dtype", "x" * 500))),
 ]
@@ -460,7 +478,7 @@ def _tokenizers() -> list[bytes]:
         json.dumps({"tokenizer.json": "@@not base64@@"}).encode(),
         json.dumps({"../../etc/passwd": base64.b64encode(b"x").decode()}).encode(),
         json.dumps({"tokenizer.json": 7}).encode(), json.dumps({"tokenizer.json": b64}).encode(),
-        json.dumps({"a": b64, "b": b64, "a": "!"}).encode(), b'{"a": "QQ==", "a": "QUFB", "b": 1}',
+        b'{"a": "QQ==", "b": "QQ==", "a": "!"}', b'{"a": "QQ==", "a": "QUFB", "b": 1}',
         b'{"a": "QQ==", "b": 1, "a": 2}', json.dumps({".hidden": b64}).encode(), json.dumps({"": b64}).encode(),
         json.dumps({"x\u0000y": b64}).encode(), json.dumps({"d/e": b64}).encode(),
         json.dumps({"\ud800": b64}).encode(), json.dumps({"caf\u00e9 \u2028 '\"": "!"}).encode(),

@@ -49,7 +49,7 @@ def test_info_json_agrees_with_the_runtime(om_path: Path) -> None:
     assert r.stdout.strip() == json.dumps(info, indent=2, sort_keys=True)  # sorted keys, no extras
     assert cli("info", "--json", str(om_path)).stdout == r.stdout  # deterministic
 
-    sess = npuc.load(str(om_path))
+    sess = npuc.load(str(om_path), executor="torch")
     prog, plan = sess.program, sess.program.plan
     assert info["arena_bytes"] == sess.arena_bytes == plan.arena_bytes
     assert info["lower_bound_bytes"] == plan.lower_bound_bytes
@@ -70,7 +70,7 @@ def test_info_json_agrees_with_the_runtime(om_path: Path) -> None:
 def test_info_table(om_path: Path) -> None:
     r = cli("info", str(om_path))
     assert r.returncode == 0, r.stderr
-    sess = npuc.load(str(om_path))
+    sess = npuc.load(str(om_path), executor="torch")
     out = r.stdout
 
     def row(key: str, value: str) -> bool:
@@ -184,7 +184,7 @@ def test_dump_json_has_the_whole_model(om_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert r.stdout.strip() == json.dumps(doc, indent=2, sort_keys=True)
     assert cli("dump", str(om_path), "--json").stdout == r.stdout
-    sess = npuc.load(str(om_path))
+    sess = npuc.load(str(om_path), executor="torch")
     prog = doc["modeldef"]["programs"][0]
     assert [(o["op"], o["name"], o["unit"]) for o in prog["ops"]] == [
         (o.op, o.name, o.unit) for o in sess.program.ops]

@@ -28,7 +28,7 @@ def _run_both(tmp_path: Path, nodes: list, inputs: dict[str, np.ndarray], output
     onnx.save(m, str(path))
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(outputs, inputs)
     shape = ";".join(f"{n}:{','.join(map(str, a.shape))}" for n, a in inputs.items())
-    sess = npuc.load(npuc.compile(str(path), input_shape=shape, output=str(tmp_path / "m")))
+    sess = npuc.load(npuc.compile(str(path), input_shape=shape, output=str(tmp_path / "m")), executor="torch")
     got = sess.run(inputs)
     return [got[n].numpy() for n in outputs], want, sess
 

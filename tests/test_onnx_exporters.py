@@ -25,7 +25,7 @@ FILES = ["optimum/llama_opset18", "optimum/llama_opset14", "optimum/qwen2_opset1
 @pytest.mark.parametrize("name", FILES)
 def test_exporter_output_compiles_fused_and_matches_onnxruntime(name: str, tmp_path: Path) -> None:
     path = DATA / f"{name}.onnx"
-    sess = npuc.load(npuc.compile(str(path), input_shape="batch_size:1;sequence_length:8", output=str(tmp_path / "m")))
+    sess = npuc.load(npuc.compile(str(path), input_shape="batch_size:1;sequence_length:8", output=str(tmp_path / "m")), executor="torch")
     ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
     assert {op: ops.count(op) for op in ("fused_attention", "rope_lut", "rms_norm", "swiglu")} == \
         {"fused_attention": LAYERS, "rope_lut": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}
@@ -67,7 +67,7 @@ def test_rope_tables_from_position_ids(by_max: bool, tmp_path: Path) -> None:
     m = _Rope(by_max).eval()
     om = compile_model(m, input_shape="q:1,2,8,16;position_ids:1,8", input_dtypes={"position_ids": "int64"},
                        output=str(tmp_path / "r"))
-    sess = npuc.load(om)
+    sess = npuc.load(om, executor="torch")
     ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
     assert ("rope_lut" in ops) is not by_max
     q = torch.randn(1, 2, 8, 16)
@@ -89,7 +89,7 @@ def test_positions_from_the_tokens_are_not_rope_positions(tmp_path: Path) -> Non
     m = _TokenPositions(False).eval()
     om = compile_model(m, input_shape="q:1,2,8,16;position_ids:1,8", input_dtypes={"position_ids": "int64"},
                        output=str(tmp_path / "t"))
-    sess = npuc.load(om)
+    sess = npuc.load(om, executor="torch")
     assert "rope_lut" not in [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
     q, ids = torch.randn(1, 2, 8, 16), torch.tensor([[5, 0, 7, 7, 0, 3, 9, 1]])
     got = sess.run({"q": q.numpy(), "position_ids": ids.numpy()})[next(iter(sess.outputs)).name]
@@ -117,7 +117,7 @@ def test_onnxruntime_optimizer_output_compiles_fused_and_matches_onnxruntime(nam
     assert {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RotaryEmbedding"} <= kinds
     past = "with_past" in name
     shape = "batch_size:1;sequence_length:8" + (";past_sequence_length:0" if past else "")
-    sess = npuc.load(npuc.compile(str(path), input_shape=shape, output=str(tmp_path / "m")))
+    sess = npuc.load(npuc.compile(str(path), input_shape=shape, output=str(tmp_path / "m")), executor="torch")
     ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
     assert {op: ops.count(op) for op in ("fused_attention", "rope_lut", "rms_norm", "swiglu")} == \
         {"fused_attention": LAYERS, "rope_lut": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}

@@ -79,7 +79,7 @@ def test_external_data_larger_than_the_budget(tmp_path: Path) -> None:
                 return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
         from npuc.runtime import Session
         before = rss_kb()
-        sess = npuc.load(sys.argv[1])
+        sess = npuc.load(sys.argv[1], executor="torch")
         print(json.dumps({"grew_kb": rss_kb() - before}))
     """)
     r = subprocess.run([sys.executable, "-c", load, str(tmp_path / "big_out.om")], capture_output=True, text=True,
@@ -91,7 +91,7 @@ def test_external_data_larger_than_the_budget(tmp_path: Path) -> None:
 
     import npuc
 
-    sess = npuc.load(str(tmp_path / "big_out.om"))
+    sess = npuc.load(str(tmp_path / "big_out.om"), executor="torch")
     x = np.random.default_rng(1).standard_normal((1, 4, DIMS[0][0])).astype(np.float32)
     got = sess.run({"x": x})["y"].numpy()
     ref = x

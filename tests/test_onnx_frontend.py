@@ -38,7 +38,7 @@ def test_local_functions_are_inlined(tmp_path: Path) -> None:
                               [helper.make_opsetid("", 18)])
     path = _save(tmp_path, [helper.make_node("Swish", ["a"], ["b"], domain="custom")], [_vi("a", [2, 3])],
                  [_vi("b", None)], functions=[fn], extra_opsets=[helper.make_opsetid("custom", 1)])
-    out = npuc.load(npuc.compile(str(path), input_shape="a:2,3", output=str(tmp_path / "f"))).run(
+    out = npuc.load(npuc.compile(str(path), input_shape="a:2,3", output=str(tmp_path / "f")), executor="torch").run(
         {"a": np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)})["b"].numpy()
     x = np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(out, x / (1 + np.exp(-x)), rtol=1e-6)
@@ -90,7 +90,7 @@ def test_shape_arithmetic_folds_once_shapes_are_fixed(tmp_path: Path) -> None:
 
     g, _ = build_graph(str(path), "x:5,3,4")
     assert [n.op for n in g.nodes] == ["reshape", "reshape"]  # the flatten, and `r` given its own node
-    out = npuc.load(npuc.compile(str(path), input_shape="x:5,3,4", output=str(tmp_path / "s"))).run(
+    out = npuc.load(npuc.compile(str(path), input_shape="x:5,3,4", output=str(tmp_path / "s")), executor="torch").run(
         {"x": np.ones((5, 3, 4), np.float32)})
     assert out["flat"].shape == (5, 12)
     assert out["r"].tolist() == [0, 1, 2, 3, 4]
@@ -120,7 +120,7 @@ def test_older_opsets_keep_their_meaning(tmp_path: Path, opset: int) -> None:
                             helper.make_tensor("sax", TensorProto.INT64, [1], [2])]
     path = _save(tmp_path, nodes, [_vi("a", [2, 3, 4])], [_vi("y", None)], opset=opset, inits=inits)
     a = np.random.default_rng(opset).standard_normal((2, 3, 4)).astype(np.float32)
-    got = npuc.load(npuc.compile(str(path), input_shape="a:2,3,4", output=str(tmp_path / "m"))).run({"a": a})["y"]
+    got = npuc.load(npuc.compile(str(path), input_shape="a:2,3,4", output=str(tmp_path / "m")), executor="torch").run({"a": a})["y"]
     (want,) = _ort(path, {"a": a})
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
     if old:  # the flattening softmax: [2, 12] normalised, not each row of 4
@@ -139,7 +139,7 @@ def test_opset_25_attention_window_matches_the_reference(tmp_path: Path) -> None
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for n in ("q", "k", "v")}
     got = npuc.load(npuc.compile(str(path), input_shape="q:1,2,6,4;k:1,2,6,4;v:1,2,6,4",
-                                 output=str(tmp_path / "m"))).run(feeds)["y"]
+                                 output=str(tmp_path / "m")), executor="torch").run(feeds)["y"]
     (want,) = ReferenceEvaluator(str(path)).run(None, feeds)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 

@@ -90,7 +90,7 @@ def test_with_past_programs_are_the_fused_programs_of_the_checkpoint(arch: str, 
 
     hf = compile_model(str(hf_checkpoints[arch]), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
                        output=str(tmp_path / "hf"))
-    a, b = npuc.load(str(onnx_oms[arch])), npuc.load(hf)
+    a, b = npuc.load(str(onnx_oms[arch]), executor="torch"), npuc.load(hf, executor="torch")
     for name in ("prefill", "decode"):
         ops = [st.opdef.name for st in a.programs[name].steps]
         assert ops == [st.opdef.name for st in b.programs[name].steps]
@@ -147,7 +147,7 @@ def test_one_step_with_a_past_matches_onnxruntime(past: int, tmp_path: Path) -> 
     seq = 8 if past == 0 else 1
     om = npuc.compile(path, input_shape=f"batch_size:1;sequence_length:{seq};past_sequence_length:{past}",
                       output=str(tmp_path / "m"))
-    sess = npuc.load(om)
+    sess = npuc.load(om, executor="torch")
     rng = np.random.default_rng(past)
     feeds = {"input_ids": rng.integers(0, 128, (1, seq)).astype(np.int64),
              "attention_mask": np.ones((1, past + seq), np.int64),
@@ -205,7 +205,7 @@ def test_genai_builder_llama_compiles_fused_and_matches_onnxruntime(rotary: str,
     Skip norms' residual sums kept) and SwiGLU fused in every layer."""
     path = str(genai_files[rotary])
     sess = npuc.load(npuc.compile(path, input_shape="batch_size:1;sequence_length:8;total_sequence_length:8;"
-                                  "past_sequence_length:0", output=str(tmp_path / "m")))
+                                  "past_sequence_length:0", output=str(tmp_path / "m")), executor="torch")
     ops = [st.opdef.name for st in sess.programs[next(iter(sess.programs))].steps]
     assert {op: ops.count(op) for op in ("fused_attention", "rope_lut", "rms_norm", "swiglu")} == \
         {"fused_attention": LAYERS, "rope_lut": 2 * LAYERS, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}

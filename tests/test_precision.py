@@ -31,7 +31,7 @@ def _run(g: Graph, tmp: Path, name: str) -> tuple[torch.Tensor, int]:
     low = lower(g, get_target("cpu"))
     write_om(low, str(tmp / f"{name}.om"))
     ids = np.random.default_rng(0).integers(0, 128, size=(1, 16))
-    return npuc.load(str(tmp / f"{name}.om")).run({"input_ids": ids})["logits"], low.weights_bytes
+    return npuc.load(str(tmp / f"{name}.om"), executor="torch").run({"input_ids": ids})["logits"], low.weights_bytes
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_cli_precision_flags(hf_checkpoints: dict[str, Path], tmp_path: Path) ->
                         "input_ids:1,16", "--output", str(tmp_path / "h"), "--precision_mode=force_fp16",
                         "--keep_dtype", str(keep)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    sess = npuc.load(str(tmp_path / "h.om"))
+    sess = npuc.load(str(tmp_path / "h.om"), executor="torch")
     lin = [o for o in sess.program.ops if o.op == "linear"]
     dtypes = Counter(sess.tensors[o.outputs[0]].dtype for o in lin)
     assert dtypes == {DType.f32: 1, DType.f16: 14}

@@ -37,7 +37,7 @@ def test_a_users_target_file_drives_alignment_and_tiles(hf_checkpoints: dict[str
     path = _custom(tmp_path, **{"tile = 16": "tile = 32", "alignment = 512 ": "alignment = 256 "})
     om = npuc.compile(str(hf_checkpoints["llama"]), input_shape="input_ids:1,7", output=str(tmp_path / "m"),
                       soc_version=str(path))
-    sess = npuc.load(om)
+    sess = npuc.load(om, executor="torch")
     assert sess.model.target == "npu"  # the name inside the file
     arena = [t for t in sess.tensors if t.region == "arena"]
     assert all(t.offset % 256 == 0 for t in arena) and any(t.offset % 512 for t in arena)
@@ -84,4 +84,4 @@ def test_dtypes_the_target_lacks_are_refused(tmp_path: Path) -> None:
     path = npuc.compile(Double(), input_shape="x:4", input_dtypes={"x": "float64"}, output=str(tmp_path / "d"),
                         soc_version="cpu")
     x = torch.arange(4, dtype=torch.float64)
-    torch.testing.assert_close(npuc.load(path).run({"x": x})["output_0"], (x * 2).exp())
+    torch.testing.assert_close(npuc.load(path, executor="torch").run({"x": x})["output_0"], (x * 2).exp())

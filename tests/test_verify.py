@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from npuc.compiler import verify as verify_mod
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.ir import OpDef, get_op
 from npuc.ir.registry import REGISTRY
 from npuc.runtime import Session
+from npuc.tools import verify as verify_mod
 from npuc.tools.verify import (
     render_report,
     report_json,

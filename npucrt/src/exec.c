@@ -748,11 +748,12 @@ rt_bind_fn rt_find_binder(const char *op) {
 
 /* Bind one op: each table that has a binder for it, in order, until one takes it. */
 static int bind_step(rt_binder *b, rt_step *st) {
-    rt_bind_fn found[3] = {rt_find_binder(st->op->op), rt_generic_binder(st->op->op), rt_deepseek_binder(st->op->op)};
+    rt_bind_fn found[4] = {rt_find_binder(st->op->op), rt_generic_binder(st->op->op), rt_deepseek_binder(st->op->op),
+                           rt_attention_binder(st->op->op)};
     npuc_error why;
     int any = 0;
     why.message[0] = 0;
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         if (found[k] == NULL) continue;
         any = 1;
         npuc_error *outer = b->err;

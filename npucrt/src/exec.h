@@ -81,9 +81,12 @@ rt_bind_fn rt_find_binder(const char *op);
 
 /* Binders by family, each file's own table; exec.c asks them in this order. NULL: not there.
  *   ops_generic.c   elementwise, reductions, softmax, norms, data movement, matmul
- *   ops_deepseek.c  mla_attention, fused_moe, qmoe */
+ *   ops_deepseek.c  mla_attention, fused_moe, qmoe
+ *   ops_attention.c the attention variants exec.c's binders refuse (masks, sliding windows,
+ *                   soft-capping, sinks, ALiBi), sdpa, convolutions, einsum */
 rt_bind_fn rt_generic_binder(const char *op);
 rt_bind_fn rt_deepseek_binder(const char *op);
+rt_bind_fn rt_attention_binder(const char *op);
 
 /* Shared element conversions. */
 static inline float rt_bf16_to_f32(uint16_t h) {

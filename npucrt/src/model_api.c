@@ -140,7 +140,8 @@ int npuc_model_load_file(const char *path, const npuc_load_options *opts, npuc_m
         uint8_t head[64];
         ssize_t got = pread(fd, head, sizeof head, 0);
         if (got < 0) {
-            rc = rt_fail(err, NPUC_E_OPEN, HINT_OPEN, "cannot open '%s': %s", m->path, os_error(errno, why, sizeof why));
+            rc = rt_fail(err, NPUC_E_OPEN, HINT_OPEN, "cannot open '%s': %s", m->path,
+                         os_error(errno, why, sizeof why));
         } else {
             m->data = head;
             m->size = (size_t)got;

@@ -913,9 +913,6 @@ static int parse_container(npuc_model *m, int verify, npuc_error *err) {
     npuc_sha256(d + HEADER_SIZE, (size_t)(table_end - HEADER_SIZE), digest);
     if (memcmp(digest, d + 24, 32) != 0) return checksum(err, "the section table");
 #endif
-    /* The model struct holds RT_MAX_SECTIONS entries; a writer makes six at most. */
-    if (count > RT_MAX_SECTIONS)
-        return corrupt(err, "it has %u sections; this runtime reads at most %d", count, RT_MAX_SECTIONS);
     uint64_t prev_end = table_end;
     for (uint32_t i = 0; i < count; i++) {
         const uint8_t *e = d + HEADER_SIZE + (size_t)ENTRY_SIZE * i;
@@ -952,6 +949,10 @@ static int parse_container(npuc_model *m, int verify, npuc_error *err) {
                 return checksum(err, what);
             }
         }
+        /* The model holds RT_MAX_SECTIONS entries (a writer makes six at most): a file of more is
+         * refused here, once all before it have passed the checks Python makes of them. */
+        if (m->n_sections == RT_MAX_SECTIONS)
+            return corrupt(err, "it has %u sections; this runtime reads at most %d", count, RT_MAX_SECTIONS);
         rt_section *s = &m->sections[m->n_sections++];
         memcpy(s->name, name, sizeof name);
         s->offset = offset;

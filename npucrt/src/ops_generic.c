@@ -5,7 +5,8 @@
  *
  *   ops_elementwise.c  unary, binary, comparisons, where, cast (one engine; ops are table rows)
  *   ops_movement.c     reshape, transpose, slice, slice_scatter, pad, concat, split, expand,
- *                      gather, gather_elements, index, full, arange, trilu
+ *                      gather, gather_elements, gather_nd, index, scatter_elements, scatter_nd,
+ *                      full, arange, trilu
  *   ops_reduce.c       reductions, argmax/argmin, topk, cumsum, softmax, log_softmax,
  *                      layer_norm, rms_norm, matmul
  *

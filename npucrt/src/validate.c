@@ -330,7 +330,8 @@ static int check_index(const npuc_model *m, const rt_op *op, index_check w, int3
     int signed_ok = strcmp(op->op, "gather") == 0 || strcmp(op->op, "index") == 0;
     int64_t low = signed_ok ? -rows : 0;
     char r[REPR], r2[REPR], r3[REPR];
-    if (is_region(idx, REGION_WEIGHTS) && idx->nbytes <= SMALL_INDEX && (idx->dtype == NPUC_I64 || idx->dtype == NPUC_I32)) {
+    int small_stored = is_region(idx, REGION_WEIGHTS) && idx->nbytes <= SMALL_INDEX;
+    if (small_stored && (idx->dtype == NPUC_I64 || idx->dtype == NPUC_I32)) {
         /* check_tensors put it inside the weights, nbytes a multiple of the item size. */
         size_t item = idx->dtype == NPUC_I64 ? 8 : 4, n = (size_t)idx->nbytes / item;
         const uint8_t *p = m->weights + idx->offset;
@@ -354,8 +355,8 @@ static int check_index(const npuc_model *m, const rt_op *op, index_check w, int3
                        m->path, repr(r, op->name), op->op, (long long)rows, repr(r2, table->name), repr(r3, idx->name),
                        (long long)lo, (long long)hi);
     } else if (position >= 0 && op->inputs[w.idx] == position && cache && rows < cache) {
-        return bad(err, NPUC_E_INVALID, "%s: op %s (%s) indexes %lld rows of %s by position, which runs to %lld (the KV "
-                   "cache's rows, up to max_seq_len)", m->path, repr(r, op->name), op->op, (long long)rows,
+        return bad(err, NPUC_E_INVALID, "%s: op %s (%s) indexes %lld rows of %s by position, which runs to %lld "
+                   "(the KV cache's rows, up to max_seq_len)", m->path, repr(r, op->name), op->op, (long long)rows,
                    repr(r2, table->name), (long long)cache);
     }
     return NPUC_OK;
@@ -479,7 +480,7 @@ static int32_t fw_prefix(const int32_t *f, int32_t i) { /* active among the firs
 }
 
 static int32_t fw_kth(const int32_t *f, int32_t n, int32_t k) { /* position of the k-th active (1-based k) */
-    int32_t pos = 0, step = 1;
+    int64_t pos = 0, step = 1;
     while (step * 2 <= n) step *= 2;
     for (; step; step /= 2) {
         if (pos + step <= n && f[pos + step - 1] < k) {
@@ -487,7 +488,7 @@ static int32_t fw_kth(const int32_t *f, int32_t n, int32_t k) { /* position of t
             k -= f[pos - 1];
         }
     }
-    return pos;
+    return (int32_t)pos;
 }
 
 /* qsort has no context argument in C11 (and a global would be shared state): a stable merge
@@ -549,7 +550,8 @@ static int check_plan(const npuc_model *m, const rt_program *g, scratch *sc, npu
     for (i = 0; i < n; i++) {
         int32_t t = bs[i].tensor;
         if (!is_region(&m->tensors[t], REGION_ARENA)) {
-            rc = plan_wrong(m, err, "buffer %d is tensor %s, which is not in the arena", t, repr(r, m->tensors[t].name));
+            rc = plan_wrong(m, err, "buffer %d is tensor %s, which is not in the arena", t,
+                            repr(r, m->tensors[t].name));
             break;
         }
         if (sc->buffer_of[t] >= 0) {
@@ -815,7 +817,9 @@ static int check_generation(const npuc_model *m, npuc_error *err) {
         int has = 0;
         for (int32_t i = 0; i < both[k]->n_outputs && !has; i++)
             has = strcmp(m->tensors[both[k]->outputs[i]].name, "logits") == 0;
-        if (!has) return bad(err, NPUC_E_INVALID, "%s: the %s program has no 'logits' output", m->path, k ? "decode" : "prefill");
+        if (!has)
+            return bad(err, NPUC_E_INVALID, "%s: the %s program has no 'logits' output", m->path,
+                       k ? "decode" : "prefill");
     }
     int ok = dec->n_inputs == 2 && n_ids == 1;
     if (ok) {
@@ -873,8 +877,9 @@ static int check_generation(const npuc_model *m, npuc_error *err) {
             if (table->rank) vocab = table->shape[py_mod(first_attr_i(op, "axis", 0), table->rank)];
             int64_t width = logits->rank ? logits->shape[logits->rank - 1] : 0;
             if (!logits->rank || vocab < width)
-                return bad(err, NPUC_E_INVALID, "%s: the %s program's logits choose among %lld tokens; its embedding %s "
-                           "has %lld rows", m->path, g->name, (long long)width, repr(r, table->name), (long long)vocab);
+                return bad(err, NPUC_E_INVALID, "%s: the %s program's logits choose among %lld tokens; its "
+                           "embedding %s has %lld rows", m->path, g->name, (long long)width, repr(r, table->name),
+                           (long long)vocab);
         }
     }
     return NPUC_OK;
@@ -946,8 +951,10 @@ static int json_decode_text(const uint8_t *b, size_t n, uint32_t *out, size_t *c
 }
 
 static void json_ws(json *j) {
-    while (j->at < j->n && (j->cp[j->at] == ' ' || j->cp[j->at] == '\t' || j->cp[j->at] == '\n' || j->cp[j->at] == '\r'))
-        j->at++;
+    for (; j->at < j->n; j->at++) {
+        uint32_t c = j->cp[j->at];
+        if (c != ' ' && c != '\t' && c != '\n' && c != '\r') break;
+    }
 }
 
 static int json_lit(json *j, const char *lit) {
