@@ -197,9 +197,9 @@ def test_load_refusals_match_the_python_side(gen_models: dict[str, Path], tmp_pa
 def test_npuc_load_runs_the_c_executor_and_falls_back_with_a_notice(gen_models: dict[str, Path], tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import npuc
     from ir_build import f32, node
 
+    import npuc
     from npuc.backend.lower import lower
     from npuc.backend.targets import get_target
     from npuc.backend.writer import write_om
