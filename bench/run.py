@@ -454,6 +454,19 @@ def systems(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {"cpu": d[0], "npu": d[1], "bf16": d[2], "hf": d[3], "ort": d[4]}
 
 
+NATIVE_BEGIN, NATIVE_END = "<!-- bench/native_ab.py -->", "<!-- /bench/native_ab.py -->"
+
+
+def keep_native_section(out: Path, text: str) -> str:
+    """The report with the section bench/native_ab.py wrote into the previous one (the native
+    runtime against the Python one), which this run does not measure, kept at its end."""
+    old = out.read_text() if out.is_file() else ""
+    if NATIVE_BEGIN not in old or NATIVE_END not in old:
+        return text
+    section = old[old.index(NATIVE_BEGIN):old.index(NATIVE_END) + len(NATIVE_END)]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def render(res: dict[str, Any]) -> str:
     s: Sizes = res["sizes"]
     lines = [
@@ -826,7 +839,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out) if args.out else (work / "benchmarks.md" if args.quick else ROOT / "docs/benchmarks.md")
     res["plot"] = plot(res, out.parent / "bench-decode.png")
-    out.write_text(render(res))
+    out.write_text(keep_native_section(out, render(res)))
     (out.parent / (out.stem + ".json")).write_text(json.dumps(
         {k: (v.__dict__ if isinstance(v, Sizes) else v) for k, v in res.items()}, indent=2, sort_keys=True))
     print(f"[bench] wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)

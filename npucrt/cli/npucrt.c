@@ -593,10 +593,11 @@ static int npy_write(const char *path, const npuc_tensor_info *t, const void *da
 
 /* ---- the model --------------------------------------------------------------------------- */
 
-static int load_model(const char *path, npuc_model **m) {
+static int load_model(const char *path, int verify, npuc_model **m) {
     npuc_error err = {0};
     npuc_load_options opts;
     npuc_load_options_default(&opts);
+    opts.verify_checksums = verify;
     int rc = npuc_model_load_file(path, &opts, m, &err);
     return rc == NPUC_OK ? 0 : report_lib(rc, &err, "loading the model");
 }
@@ -625,7 +626,7 @@ static void program_names(const npuc_model *m, char *buf, size_t size) {
 
 static int cmd_info(const char *path) {
     npuc_model *m = NULL;
-    int rc = load_model(path, &m);
+    int rc = load_model(path, 1, &m);
     if (rc != 0) {
         return rc;
     }
@@ -758,7 +759,7 @@ static int cmd_run(const char *path, const char *program_name, const input_arg *
                    const char *output_dir, int threads) {
     npuc_model *m = NULL;
     npuc_session *s = NULL;
-    int rc = load_model(path, &m), n_in = 0, n_out = 0;
+    int rc = load_model(path, 1, &m), n_in = 0, n_out = 0;
     void **in = NULL, **out = NULL;
     uint64_t *in_bytes = NULL, *out_bytes = NULL;
     npuc_tensor_info *out_info = NULL;
@@ -1022,7 +1023,7 @@ static int parse_ids(const char *text, int64_t **out, int32_t *n_out) {
 }
 
 static int cmd_generate(const char *path, const char *const *prompts, int n_prompts, int32_t max_new,
-                        int ignore_eos, int threads, int timing, double t_start) {
+                        int ignore_eos, int threads, int timing, int verify, double t_start) {
     npuc_model *m = NULL;
     npuc_session *s = NULL;
     npuc_sequence *seqs = calloc((size_t)n_prompts, sizeof *seqs);
@@ -1044,7 +1045,7 @@ static int cmd_generate(const char *path, const char *const *prompts, int n_prom
         seqs[i].ignore_eos = ignore_eos;
     }
     double t_load = now_s();
-    if ((rc = load_model(path, &m)) != 0 || (rc = make_session(m, threads, &s)) != 0) {
+    if ((rc = load_model(path, verify, &m)) != 0 || (rc = make_session(m, threads, &s)) != 0) {
         goto done;
     }
     gen_state g = {.stream = n_prompts == 1, .seqs = lists};
@@ -1113,7 +1114,7 @@ static const char USAGE[] =
     "  npucrt run MODEL.om [--program NAME] --input NAME=FILE.npy ... [--output-dir DIR] [--threads T]\n"
     "      run one program on .npy inputs; writes DIR/<output>.npy\n"
     "  npucrt generate MODEL.om --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N]\n"
-    "                  [--ignore-eos] [--threads T] [--timing]\n"
+    "                  [--ignore-eos] [--threads T] [--timing] [--no-verify]\n"
     "      greedy decoding; one prompt: its new token ids on one line, as they come;\n"
     "      several: one JSON line each, {\"index\", \"token_ids\"}, in order\n";
 
@@ -1175,7 +1176,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *program = NULL, *output_dir = NULL, *value = NULL;
     input_arg *inputs = calloc((size_t)argc, sizeof *inputs);
     const char **prompts = calloc((size_t)argc, sizeof *prompts);
-    int n_inputs = 0, n_prompts = 0, ignore_eos = 0, timing = 0, rc = 0, r;
+    int n_inputs = 0, n_prompts = 0, ignore_eos = 0, timing = 0, verify = 1, rc = 0, r;
     long long threads = 0, max_new = 32;
     int is_run = strcmp(cmd, "run") == 0, is_gen = strcmp(cmd, "generate") == 0;
     if (inputs == NULL || prompts == NULL) {
@@ -1242,6 +1243,8 @@ int main(int argc, char **argv) {
             ignore_eos = 1;
         } else if (is_gen && is_flag(a, "--timing")) {
             timing = 1;
+        } else if (is_gen && is_flag(a, "--no-verify")) {
+            verify = 0; /* the checksums of the sections' payloads: every other check still runs */
         } else if (a[0] == '-' && a[1] != '\0') {
             rc = usage_error(cmd, "no such option: %s", a);
             goto out;
@@ -1266,7 +1269,7 @@ int main(int argc, char **argv) {
     } else {
         /* More than INT32_MAX new tokens is "until the cache is full" all the same. */
         rc = cmd_generate(model, prompts, n_prompts, max_new > INT32_MAX ? INT32_MAX : (int32_t)max_new,
-                          ignore_eos, (int)threads, timing, t_start);
+                          ignore_eos, (int)threads, timing, verify, t_start);
     }
 out:
     for (int k = 0; inputs && k < n_inputs; k++) {
