@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "npucrt" / "src"
 INCLUDE = ROOT / "include"
 # The loader's own files: enough for npuc_model_load_file with the stub below.
-LOADER_SOURCES = ("util.c", "sha256.c", "om.c", "validate.c", "model_api.c")
+LOADER_SOURCES = ("util.c", "sha256.c", "om.c", "validate.c", "op_schema.c", "model_api.c")
 WARNINGS = ["-Wall", "-Wextra", "-Wpedantic", "-Werror", "-Wshadow", "-Wconversion"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 _STUB = """#include "exec.h"

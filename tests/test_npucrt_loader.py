@@ -2,16 +2,19 @@
 
 The C loader ports the container checks (backend/om_format.py), the join of the model
 sections (backend/om_sections.py) and runtime/om_validate.py's checks but for the per-op
-registry rules, which the executor's binders apply instead. So each file here is loaded by:
+shape rules and workspace sizes, which the executor's binders apply instead (the known op,
+attributes and arity it checks against npucrt/src/op_schema.c, generated from the registry by
+npucrt/gen_op_schema.py). So each file here is loaded by:
 
     the C loader       npuc_model_load_file, with a stub executor that accepts every op
     python (ported)    OmFile.open + join_model + validate_model with check_ops cut down to
-                       the part C ports (what is written where), + check_rank
+                       the part C ports (op_def, op_attrs, arity, what is written where),
+                       + check_rank
     python (full)      the same with every check, as Session.__init__ runs them
 
 and the C loader must give the ported reference's code, and its message word for word (but
 where noted in MESSAGE_MAY_DIFFER). Where the full reference refuses and the ported one
-does not, the refusal is one of the binders' (an unknown op, a shape rule): counted, not
+does not, the refusal is one of the binders' (a shape rule, a workspace size): counted, not
 compared. The files: the fuzz corpus, the om_fuzz seeds, the hostile edits of
 tests/test_om_validate.py, malformed tokenizer sections, and seeded om_fuzz mutants.
 Then the same files and more mutants go through an ASan + UBSan build of the loader
@@ -54,8 +57,9 @@ MESSAGE_MAY_DIFFER = re.compile(r"names a program the model does not have|has a 
 # ---------------------------------------------------------------- the Python references
 
 def _ported_check_ops(path: str, m: Any, prog: Any, *_: Any) -> None:
-    """om_validate.check_ops without the registry: only what the C loader checks itself."""
-    from npuc.runtime.om_validate import E_INVALID, bad
+    """om_validate.check_ops without the shape rules and workspace sizes: only what the C loader
+    checks itself (its binders check the rest)."""
+    from npuc.runtime.om_validate import E_INVALID, bad, op_attrs, op_def
 
     def writable(i: int, why: str) -> None:
         if m.tensors[i].region == "weights":
@@ -73,6 +77,11 @@ def _ported_check_ops(path: str, m: Any, prog: Any, *_: Any) -> None:
     for i in prog.outputs:
         writable(i, "is an output")
     for op in prog.ops:
+        od = op_def(path, op)
+        op_attrs(path, op, od)
+        if not od.arity_ok(len(op.inputs)):
+            raise bad(E_INVALID, f"{path}: op {op.name!r} ({od.name}) has {len(op.inputs)} operands; it takes "
+                                 f"{', '.join(od.inputs)}")
         for o in op.outputs:
             writable(o, f"is written by op {op.name!r}")
         if op.op == "kv_write" and op.inputs:  # the registry's only in-place op (OpDef.inplace = 0)
@@ -284,6 +293,89 @@ def test_seeds_and_corpus_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> 
         compare(lib, p)
     for p in seeds:  # a valid file loads in C too
         assert npucrt_util.load(lib, p) == (0, ""), p
+
+
+# The fuzzer's files that C loaded and Python refused (tests/fuzz/om_fuzz_c.py), by what they hold.
+_SCHEMA_REPRODUCERS = {
+    "c-disagree-08573c7f953a402b.om": "unknown attribute", "c-disagree-5aba0cc9d88cd1ee.om": "missing attribute",
+    "c-disagree-3d522bedb39d85ba.om": "repeats an attribute", "c-disagree-528bb87557937e35.om": "operands; it takes",
+}
+
+
+def test_op_schema_reproducers_agree(lib: Any) -> None:
+    """C refuses an op's unknown, missing or repeated attribute and extra operands as the full
+    Python side does: same code, same words."""
+    for name, words in _SCHEMA_REPRODUCERS.items():
+        p = om_fuzz.CORPUS / name
+        code, message, hint = npucrt_util.load_raw(lib, p)
+        want, want_msg, want_hint = python_load(str(p), ported=False)
+        assert words in want_msg and (code, message, hint) == (want, want_msg.encode(), want_hint.encode()), \
+            (name, code, message, want, want_msg)
+
+
+def test_op_schema_refusals_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """Edits of a seed's ops against each schema check, in check_ops' order: an unknown op, an
+    undecodable dtype, each wrong kind (with Python's reprs of the value), None, arity."""
+    from npuc.backend.om_schema import ModelDef
+
+    img = om_fuzz.OmImage.parse(seeds[1].read_bytes())
+    base = ModelDef()
+    base.ParseFromString(img.get("modeldef"))
+    values = [("i", 3), ("i", -1), ("f", 0.1), ("f", 1e16), ("f", 1.5e-5), ("f", -0.0), ("f", float("inf")),
+              ("f", 2.0), ("f", 123456.789), ("f", float("nan")), ("s", "it's"), ("b", True), ("b", False),
+              ("dtype", "f16"), ("dtype", "f99"), ("ints", [1]), ("ints", []), ("ints", [1, -2, 3]),
+              ("floats", [0.5]), ("floats", []), ("floats", [1e-7, 3.0]), ("none", True), (None, None)]
+    edits = []
+    for k, op in enumerate(base.programs[0].ops):
+        for j in range(len(op.attrs)):
+            for field, v in values:
+                edits.append((k, j, field, v))
+    rng = random.Random(3)
+    cases = rng.sample(edits, min(len(edits), 150))
+    for n, (k, j, field, v) in enumerate(cases):
+        m = ModelDef()
+        m.CopyFrom(base)
+        a = m.programs[0].ops[k].attrs[j].value
+        a.Clear()
+        if field in ("ints", "floats"):
+            getattr(a, field).values.extend(v)
+            getattr(a, field).SetInParent()
+        elif field is not None:
+            setattr(a, field, v)
+        img.put("modeldef", m.SerializeToString())
+        compare(lib, _write(tmp_path, f"v{n}.om", img.seal()))
+    for n, edit in enumerate(["op", "drop_input", "add_input", "drop_attr", "unknown_attr", "no_inputs"]):
+        for k in range(len(base.programs[0].ops)):
+            m = ModelDef()
+            m.CopyFrom(base)
+            op = m.programs[0].ops[k]
+            if edit == "op":
+                op.op = "no_such_op"
+            elif edit == "drop_input" and op.inputs:
+                del op.inputs[-1]
+            elif edit == "add_input":
+                op.inputs.append(op.inputs[0] if op.inputs else 0)
+            elif edit == "drop_attr" and op.attrs:
+                del op.attrs[0]
+            elif edit == "unknown_attr":
+                op.attrs.add(name="zz").value.i = 1
+            elif edit == "no_inputs":
+                del op.inputs[:]
+            img.put("modeldef", m.SerializeToString())
+            compare(lib, _write(tmp_path, f"e{n}_{k}.om", img.seal()))
+
+
+def test_op_schema_is_current() -> None:
+    """npucrt/src/op_schema.c is what npucrt/gen_op_schema.py makes of the registry now."""
+    import importlib.util
+
+    root = npucrt_util.ROOT
+    spec = importlib.util.spec_from_file_location("gen_op_schema", root / "npucrt/gen_op_schema.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (root / "npucrt/src/op_schema.c").read_text() == gen.render(), \
+        "regenerate with: python npucrt/gen_op_schema.py"
 
 
 def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
  * and the validation instead of stopping at a checksum a fuzzer cannot forge:
  *
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -DNPUC_FUZZ_NO_CHECKSUMS -Iinclude -Inpucrt/src \
- *       npucrt/fuzz/fuzz_load.c npucrt/src/{util,sha256,om,validate,model_api}.c stub.c -lm -lpthread \
+ *       npucrt/fuzz/fuzz_load.c npucrt/src/{util,sha256,om,validate,op_schema,model_api}.c stub.c -lm -lpthread \
  *       -o fuzz_load
  *   ./fuzz_load -runs=1000000 -max_len=262144 corpus/ tests/fuzz/corpus/om/ <seed .om files>
  *

@@ -553,26 +553,34 @@ static int bind_reshape(rt_binder *b, rt_step *st) {
     return 0;
 }
 
+/* The length of range(dim)[start:end:step] (step >= 1), as Python computes it. */
+static int64_t slice_len(int64_t dim, int64_t start, int64_t end, int64_t step) {
+    if (start < 0) start = start + dim < 0 ? 0 : start + dim;
+    else if (start > dim) start = dim;
+    if (end < 0) end = end + dim < 0 ? 0 : end + dim;
+    else if (end > dim) end = dim;
+    return end > start ? (end - start + step - 1) / step : 0;
+}
+
 /* A slice whose output is its operand's first bytes (the planner placed it there): nothing to
  * move. Any other slice is ops_generic.c's. */
 static int bind_slice(rt_binder *b, rt_step *st) {
     const rt_view *x = &st->in[0];
-    if (!st->out_is_in0 || x->rank == 0) return no_kernel(b, st, NULL);
+    const rt_attr *end_attr = rt_find_attr(st->op, "end");
+    if (!st->out_is_in0 || x->rank == 0 || st->n_in != 1 || end_attr == NULL) return no_kernel(b, st, NULL);
     int64_t axis = rt_attr_i(st->op, "axis", 0), start = rt_attr_i(st->op, "start", 0);
-    int64_t step = rt_attr_i(st->op, "step", 1);
+    int64_t step = rt_attr_i(st->op, "step", 1), end = rt_attr_i(st->op, "end", 0);
     if (axis < -x->rank || axis >= x->rank || step < 1) return no_kernel(b, st, NULL);
     int32_t ax = (int32_t)(axis < 0 ? axis + x->rank : axis);
-    int64_t dim = x->shape[ax];
-    if (start < 0) start += dim;
-    if (start < 0) start = 0;
+    int64_t dim = x->shape[ax], n = slice_len(dim, start, end, step);
     const rt_view *o = &st->out[0];
-    if (o->dtype != x->dtype || o->rank != x->rank) return no_kernel(b, st, NULL);
+    if (st->n_out != 1 || o->dtype != x->dtype || o->rank != x->rank || o->shape[ax] != n)
+        return no_kernel(b, st, NULL); /* the generic binder words the refusal */
     for (int32_t j = 0; j < x->rank; j++)
         if (j != ax && o->shape[j] != x->shape[j]) return no_kernel(b, st, NULL);
+    int64_t first = start < 0 ? (start + dim < 0 ? 0 : start + dim) : start;
     /* contiguous from byte 0: every axis before `ax` of size 1, from row 0, step 1 (or one row) */
-    if (prod(x->shape, 0, ax) != 1 || (start != 0 && o->shape[ax] > 0) || (step != 1 && o->shape[ax] > 1) ||
-        o->shape[ax] > dim)
-        return no_kernel(b, st, NULL);
+    if (prod(x->shape, 0, ax) != 1 || (first != 0 && n > 0) || (step != 1 && n > 1)) return no_kernel(b, st, NULL);
     st->run = NULL;
     return 0;
 }

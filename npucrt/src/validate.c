@@ -16,15 +16,20 @@
  *               cache and prefill fit each other; the tokenizer section is a JSON
  *               object of plain file names to base64                             E0410/E0411
  *
- * Not here: the per-op registry checks (known op, attributes, arity, output types from the
- * op's shape rule, workspace size). The executor's binders do those for the ops they run and
- * refuse every other op (exec.c). Python's messages that name the needed workspace size cannot
- * be matched here: a workspace outside the arena is refused with the same code, other words.
+ * Per op, first, the registry's schema (op_schema.c, generated from ir/registry.py by
+ * npucrt/gen_op_schema.py): a known op (E0408), its attributes (parse, none repeated, each known
+ * and of its kind, the required ones present) and its arity (E0410), as check_ops orders them.
+ *
+ * Not here: the rest of the per-op registry checks (output types from the op's shape rule,
+ * workspace size). The executor's binders do those for the ops they run (exec.c). Python's
+ * messages that name the needed workspace size cannot be matched here: a workspace outside the
+ * arena is refused with the same code, other words.
  *
  * Every loop is linear or n log n in the model definition, never in the weights (but for the
  * few index tensors of at most 1 MiB that check_indices reads).
  */
 #define _POSIX_C_SOURCE 200809L /* sysconf */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +37,7 @@
 #include <unistd.h>
 
 #include "model.h"
+#include "op_schema.h"
 #include "util.h"
 
 #define MAX_DIM ((int64_t)1 << 40) /* an empty tensor's other dims are bounded too */
@@ -245,7 +251,7 @@ static int names_repeat(const npuc_model *m, const int32_t *ids, int32_t n, cons
 }
 
 typedef struct {
-    const char **names; /* n_tensors + program inputs/outputs */
+    const char **names; /* program inputs/outputs, program names, an op's attribute names */
     int32_t *buffer_of; /* per tensor: its buffer in the current plan, -1 */
     int32_t *order;     /* per buffer: sweep order */
     int32_t *heap;      /* the active buffers, as Python's heapq holds them */
@@ -258,7 +264,190 @@ typedef struct {
     } *events;
 } scratch;
 
-/* The writes part of check_ops: run() feeds and returns by name; nothing written in the weights. */
+/* ---- per op: the registry's schema (om_validate.op_def, op_attrs, the arity check) ---------- */
+
+/* Text appended to a fixed buffer, cut at its size (a message is cut at 767 bytes anyway). */
+typedef struct {
+    char *p;
+    size_t size, len;
+} text_out;
+
+static void put(text_out *o, const char *s) {
+    for (; *s && o->len + 1 < o->size; s++) o->p[o->len++] = *s;
+    if (o->size) o->p[o->len < o->size ? o->len : o->size - 1] = '\0';
+}
+
+/* Python's repr() of a float: the fewest digits that read back as `v`, in fixed notation for
+ * decimal exponents -4..15 (with a ".0" when integral), else as 1.5e-05 or 1e+16. */
+static void put_float(text_out *o, double v) {
+    if (isnan(v)) {
+        put(o, "nan");
+        return;
+    }
+    if (isinf(v)) {
+        put(o, v < 0 ? "-inf" : "inf");
+        return;
+    }
+    char e[48];
+    for (int prec = 0; prec <= 16; prec++) {
+        snprintf(e, sizeof e, "%.*e", prec, v);
+        if (strtod(e, NULL) == v) break;
+    }
+    char digits[24], buf[64];
+    size_t nd = 0;
+    const char *c = e;
+    if (*c == '-') put(o, "-"), c++;
+    for (; *c && *c != 'e'; c++)
+        if (*c != '.' && nd + 1 < sizeof digits) digits[nd++] = *c;
+    while (nd > 1 && digits[nd - 1] == '0') nd--;
+    digits[nd] = '\0';
+    long exp10 = *c == 'e' ? strtol(c + 1, NULL, 10) : 0;
+    size_t k = 0;
+    if (exp10 < -4 || exp10 >= 16) {
+        buf[k++] = digits[0];
+        if (nd > 1) {
+            buf[k++] = '.';
+            for (size_t i = 1; i < nd; i++) buf[k++] = digits[i];
+        }
+        snprintf(buf + k, sizeof buf - k, "e%c%02ld", exp10 < 0 ? '-' : '+', exp10 < 0 ? -exp10 : exp10);
+    } else if (exp10 >= 0) {
+        size_t whole = (size_t)exp10 + 1;
+        for (size_t i = 0; i < whole; i++) buf[k++] = i < nd ? digits[i] : '0';
+        buf[k++] = '.';
+        if (nd > whole)
+            for (size_t i = whole; i < nd; i++) buf[k++] = digits[i];
+        else
+            buf[k++] = '0';
+        buf[k] = '\0';
+    } else {
+        buf[k++] = '0', buf[k++] = '.';
+        for (long i = 0; i < -exp10 - 1; i++) buf[k++] = '0';
+        for (size_t i = 0; i < nd; i++) buf[k++] = digits[i];
+        buf[k] = '\0';
+    }
+    put(o, buf);
+}
+
+/* repr() of the value runtime/om_validate.attr_value makes of a stored attribute. */
+static char *attr_repr(char *buf, size_t size, const rt_attr *a) {
+    text_out o = {buf, size, 0};
+    char t[REPR];
+    if (size) buf[0] = '\0';
+    switch (a->kind) {
+    case ATTR_I:
+        snprintf(t, sizeof t, "%lld", (long long)a->i);
+        put(&o, t);
+        break;
+    case ATTR_F:
+        put_float(&o, a->f);
+        break;
+    case ATTR_S:
+        put(&o, rt_repr(t, sizeof t, a->s, -1));
+        break;
+    case ATTR_B:
+        put(&o, a->i ? "True" : "False");
+        break;
+    case ATTR_DTYPE:
+        put(&o, "DType."), put(&o, npuc_dtype_name((int)a->i));
+        break;
+    case ATTR_INTS:
+    case ATTR_FLOATS:
+        put(&o, "(");
+        for (int32_t i = 0; i < a->n && o.len + 1 < o.size; i++) {
+            if (i) put(&o, ", ");
+            if (a->kind == ATTR_INTS) {
+                snprintf(t, sizeof t, "%lld", (long long)a->ints[i]);
+                put(&o, t);
+            } else {
+                put_float(&o, a->floats[i]);
+            }
+        }
+        put(&o, a->n == 1 ? ",)" : ")");
+        break;
+    default:
+        put(&o, "None");
+        break;
+    }
+    return buf;
+}
+
+/* Attr.accepts: the registry's kinds take Python values (an int is a float too; an empty tuple
+ * is ints and floats; None only where the attribute is optional). */
+static int attr_accepts(const rt_attr_spec *spec, const rt_attr *a) {
+    switch (a->kind) {
+    case ATTR_I:
+        return spec->kind == RT_AK_INT || spec->kind == RT_AK_FLOAT;
+    case ATTR_F:
+        return spec->kind == RT_AK_FLOAT;
+    case ATTR_S:
+        return spec->kind == RT_AK_STR;
+    case ATTR_B:
+        return spec->kind == RT_AK_BOOL;
+    case ATTR_DTYPE:
+        return spec->kind == RT_AK_DTYPE;
+    case ATTR_INTS:
+        return spec->kind == RT_AK_INTS || spec->kind == RT_AK_FLOATS;
+    case ATTR_FLOATS:
+        return spec->kind == RT_AK_FLOATS || (spec->kind == RT_AK_INTS && a->n == 0);
+    default:
+        return spec->optional;
+    }
+}
+
+/* check_ops' first checks of an op: op_def, op_attrs (OpDef.check_attrs' first problem), arity. */
+static int check_op_schema(const npuc_model *m, const rt_op *op, const char **scratch_names, npuc_error *err) {
+    char r[REPR], r2[REPR];
+    const rt_op_schema *s = rt_op_schema_find(op->op);
+    if (s == NULL)
+        return rt_fail(err, NPUC_E_UNKNOWN_OP, "update npuc to the version that compiled the model",
+                       "%s: op %s is %s, which this runtime does not know", m->path, repr(r, op->name),
+                       repr(r2, op->op));
+    for (int32_t i = 0; i < op->n_attrs; i++) {
+        const rt_attr *a = &op->attrs[i];
+        if (a->kind == ATTR_DTYPE && a->i < 0) /* DType(name)'s ValueError */
+            return bad(err, NPUC_E_INVALID, "%s: op %s has an attribute that does not parse (%s is not a valid "
+                       "DType)", m->path, repr(r, op->name), repr(r2, a->s));
+    }
+    for (int32_t i = 0; i < op->n_attrs; i++) scratch_names[i] = op->attrs[i].name;
+    qsort(scratch_names, (size_t)op->n_attrs, sizeof *scratch_names, cmp_str_ptr);
+    for (int32_t i = 1; i < op->n_attrs; i++)
+        if (strcmp(scratch_names[i - 1], scratch_names[i]) == 0)
+            return bad(err, NPUC_E_INVALID, "%s: op %s repeats an attribute", m->path, repr(r, op->name));
+    for (int32_t i = 0; i < op->n_attrs; i++) {
+        const rt_attr *a = &op->attrs[i];
+        const rt_attr_spec *spec = NULL;
+        for (int32_t j = 0; j < s->n_attrs && spec == NULL; j++)
+            if (strcmp(s->attrs[j].name, a->name) == 0) spec = &s->attrs[j];
+        if (spec == NULL)
+            return bad(err, NPUC_E_INVALID, "%s: op %s (%s): unknown attribute %s", m->path, repr(r, op->name), s->name,
+                       repr(r2, a->name));
+        if (!attr_accepts(spec, a))
+            return bad(err, NPUC_E_INVALID, "%s: op %s (%s): attribute %s=%s is not a %s", m->path, repr(r, op->name),
+                       s->name, a->name, attr_repr(r2, sizeof r2, a), rt_attr_kind_name(spec->kind));
+    }
+    for (int32_t j = 0; j < s->n_attrs; j++) {
+        if (!s->attrs[j].required) continue;
+        int found = 0;
+        for (int32_t i = 0; i < op->n_attrs && !found; i++) found = strcmp(op->attrs[i].name, s->attrs[j].name) == 0;
+        if (!found)
+            return bad(err, NPUC_E_INVALID, "%s: op %s (%s): missing attribute %s", m->path, repr(r, op->name), s->name,
+                       repr(r2, s->attrs[j].name));
+    }
+    if (!rt_op_schema_arity_ok(s, op->n_inputs)) {
+        text_out o = {r2, sizeof r2, 0};
+        r2[0] = '\0';
+        for (int32_t i = 0; i < s->n_inputs; i++) {
+            if (i) put(&o, ", ");
+            put(&o, s->inputs[i]);
+        }
+        return bad(err, NPUC_E_INVALID, "%s: op %s (%s) has %d operands; it takes %s", m->path, repr(r, op->name),
+                   s->name, (int)op->n_inputs, r2);
+    }
+    return NPUC_OK;
+}
+
+/* The rest of check_ops but the shape rules: run() feeds and returns by name; per op, its schema
+ * (check_op_schema), then nothing written in the weights. */
 static int check_writes(const npuc_model *m, const rt_program *g, scratch *sc, npuc_error *err) {
     char r[REPR], r2[REPR], l[REPR];
     for (int kind = 0; kind < 2; kind++) {
@@ -289,6 +478,8 @@ static int check_writes(const npuc_model *m, const rt_program *g, scratch *sc, n
     char on[REPR];
     for (int32_t k = 0; k < g->n_ops; k++) {
         const rt_op *op = &g->ops[k];
+        int rc = check_op_schema(m, op, sc->names, err);
+        if (rc) return rc;
         for (int32_t i = 0; i < op->n_outputs; i++) WRITABLE(op->outputs[i], "is written by op %s", repr(on, op->name));
         /* The registry's in-place operands (OpDef.inplace): kv_write updates its cache, operand 0. */
         if (strcmp(op->op, "kv_write") == 0 && op->n_inputs > 0)
@@ -1358,6 +1549,8 @@ int npuc_validate_model(npuc_model *m, uint64_t cap, npuc_error *err) {
         size_t io = (size_t)(g->n_inputs > g->n_outputs ? g->n_inputs : g->n_outputs);
         if (io > most_io) most_io = io;
         if ((size_t)g->plan.n_buffers > most_buf) most_buf = (size_t)g->plan.n_buffers;
+        for (int32_t k = 0; k < g->n_ops; k++)
+            if ((size_t)g->ops[k].n_attrs > most_io) most_io = (size_t)g->ops[k].n_attrs;
     }
     size_t nn = most_io > (size_t)m->n_programs ? most_io : (size_t)m->n_programs;
     scratch sc = {0};

@@ -245,16 +245,24 @@ def run_alone(exe: Path, data: bytes, timeout: float = TIMEOUT_S) -> tuple[tuple
 
 # ---------------------------------------------------------------- the Python reference (sampled)
 
-def _reference(data: bytes, tmp: str) -> tuple[int, int]:
-    """(ported, full) load codes of tests/test_npucrt_loader.py's Python reference."""
+def _reference(data: bytes, tmp: str) -> tuple[int, int, str]:
+    """(ported code, full code, full message) of tests/test_npucrt_loader.py's Python reference."""
     from tests.test_npucrt_loader import python_load
 
     path = os.path.join(tmp, f"x{os.getpid()}.om")
     Path(path).write_bytes(data)
     try:
-        return python_load(path, ported=True)[0], python_load(path, ported=False)[0]
+        full, message, _ = python_load(path, ported=False)
+        return python_load(path, ported=True)[0], full, message
     finally:
         os.unlink(path)
+
+
+def _gist(message: str) -> str:
+    """A message without its path, names and numbers: one line per kind of refusal."""
+    message = message.split(": ", 1)[-1]
+    message = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", message)
+    return re.sub(r"-?\d+", "N", message)[:120]
 
 
 def _known_divergence(data: bytes) -> str | None:
@@ -270,15 +278,15 @@ def _known_divergence(data: bytes) -> str | None:
     return None
 
 
-def compare_load(c_code: int, ported: int, full: int) -> str:
+def compare_load(c_code: int, ported: int, full: int, message: str = "") -> str:
     """'agree', 'binder' (both refuse at a binder's check, codes may differ) or a disagreement."""
     if ported == -1 or full == -1:
-        return "reference crashed"
+        return "the Python reference crashed: " + message[:120]
     if ported != 0:
         return "agree" if c_code == ported else f"C {c_code}, Python {ported}"
     if full != 0:
         if c_code == 0:
-            return f"C loads, Python's full checks refuse ({full})"
+            return f"C loads, Python's full checks refuse ({full}): {_gist(message)}"
         return "agree" if c_code == full else "binder"
     return "agree" if c_code == 0 else f"C {c_code}, Python loads"
 
@@ -403,17 +411,19 @@ class Summary:
                  f"loaded and ran: {ran}; failures: {self.n_failures} ("
                  + ", ".join(f"{c} {self.counts[c]}" for c in FAILURES) + ")",
                  "outcomes: " + ", ".join(f"{k} {n}" for k, n in sorted(self.counts.items()))]
-        lines.append("Python cross-check (every %dth): " % XCHECK_EVERY
+        lines.append(f"Python cross-check (every {XCHECK_EVERY}th): "
                      + ", ".join(f"{k} {n}" for k, n in sorted(self.xchecks.items())))
-        for i, why in self.disagreements[:20]:
-            lines.append(f"  disagree: mutant {i}: {why}")
+        kinds = Counter(why for _, why in self.disagreements)
+        for why, n in kinds.most_common():
+            first = next(i for i, w in self.disagreements if w == why)
+            lines.append(f"  {n:6d}  disagree: {why} (first: mutant {first})")
         sigs = Counter((f.cls, f.signature) for f in self.failures)
         for (cls, sig), n in sigs.most_common():
             lines.append(f"  {n:6d}  {cls}: {sig}")
         for f in self.failures[:20]:
             lines.append(f"  failure: mutant {f.index} ({f.kind}) {f.cls}")
         if self.saved:
-            lines.append("saved: " + ", ".join(self.saved))
+            lines.append(f"saved {len(self.saved)} files under {Path(self.saved[0]).parent}")
         return "\n".join(lines)
 
 
@@ -421,8 +431,7 @@ def _save(save: Path, cls: str, data: bytes, report: str) -> str:
     save.mkdir(parents=True, exist_ok=True)
     name = f"c-{cls}-{hashlib.sha256(data).hexdigest()[:16]}"
     (save / f"{name}.om").write_bytes(data)
-    if report:
-        (save / f"{name}.txt").write_text(report)
+    (save / f"{name}.txt").write_text(report)
     return str(save / f"{name}.om")
 
 
@@ -448,13 +457,14 @@ def fuzz(execs: int, seed: int = 0, jobs: int = 1, start: int = 0, save: str | P
                 if log:
                     log(f"[mutant {f.index}] {f.cls}: {f.signature}")
                 if save is not None:
-                    summary.saved.append(_save(Path(save), f.cls, f.data, f.report))
+                    summary.saved.append(_save(Path(save), f.cls, f.data,
+                                               f"mutant {f.index} of seed {seed} ({f.kind}): {f.signature}\n\n{f.report}"))
             for i, why, data in res.disagreements:
                 summary.disagreements.append((i, why))
                 if log:
                     log(f"[mutant {i}] disagree: {why}")
                 if save is not None:
-                    summary.saved.append(_save(Path(save), "disagree", data, why))
+                    summary.saved.append(_save(Path(save), "disagree", data, f"mutant {i} of seed {seed}: {why}\n"))
             if log and summary.execs >= next_log:
                 next_log += 10000
                 el = time.monotonic() - t0
