@@ -12,12 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_e2e_hf import RUNNER
 
 from npuc.compiler.driver import compile_model
 from npuc.runtime.native_session import runtime_library
@@ -26,23 +26,7 @@ pytestmark = pytest.mark.skipif(runtime_library() is None, reason="no C compiler
 
 BLOCKED = ["torch", "transformers", "onnx", "onnxruntime", "safetensors", "networkx", "npuc.compiler", "npuc.passes",
            "npuc.ir"]
-RUNNER = textwrap.dedent("""
-    import sys
-    BLOCKED = {blocked!r}
-    class _Block:
-        def find_spec(self, name, path=None, target=None):
-            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-                raise ImportError("blocked for this test: " + name)
-            return None
-    sys.meta_path.insert(0, _Block())
-    from npuc.cli.main import main
-    sys.argv = ["npuc"] + {argv!r}
-    try:
-        main()
-    finally:
-        leaked = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
-        assert not leaked, leaked
-""")
+# The same runner as test_e2e_hf's (an import blocker, then the CLI), with torch blocked too.
 
 
 def _argv(argv: list[str]) -> list[str]:

@@ -23,6 +23,7 @@
 #include <stdatomic.h>
 #include <time.h>
 #include "kernels.h"
+#include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NPUC_AVX2 1
@@ -1047,31 +1048,6 @@ static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
     return s;
 }
 
-#ifdef NPUC_AVX2
-/* e^x for 8 floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; about
- * 1 ulp). Past the range, +inf above and 0 below, as expf; min/max take the constant
- * first so that a NaN stays NaN. */
-static inline __m256 exp8(__m256 x) {
-    __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ);
-    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
-    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
-                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 z = _mm256_mul_ps(x, x), y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(lo, _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi));
-}
-#endif
 
 #ifdef NPUC_AVX2
 /* Head dim 64, the common one: q (8 vectors) stays in registers over the keys, and the
@@ -1130,7 +1106,7 @@ static float exp_sum(float *sc, i64 n, float mx) {
 #ifdef NPUC_AVX2
     __m256 vm = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
     for (; r + 8 <= n; r += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm));
+        __m256 e = npuc_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + r), vm));
         _mm256_storeu_ps(sc + r, e);
         vs = _mm256_add_ps(vs, e);
     }
@@ -1387,7 +1363,7 @@ static void ew_chunk(const void *p, i64 c, int tid) {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= hi; i += 8) {
         __m256 x = _mm256_loadu_ps(a + i);
-        __m256 e = exp8(_mm256_xor_ps(x, neg));
+        __m256 e = npuc_exp8(_mm256_xor_ps(x, neg));
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + i)));
     }
 #endif
