@@ -237,7 +237,7 @@ class NativeSession:
         data, size = ctypes.c_void_p(), ctypes.c_uint64()
         if self.lib.npuc_model_section(self._model, name.encode(), ctypes.byref(data), ctypes.byref(size)):
             return None
-        return ctypes.string_at(data.value, size.value) if size.value else b""
+        return ctypes.string_at(data.value, size.value) if size.value and data.value else b""
 
     def generation(self) -> NativeGeneration:
         gi, err = _GenInfo(), _Error()
@@ -307,7 +307,7 @@ class NativeSession:
             for i, t in enumerate(p.outputs):
                 ptr = ctypes.c_void_p()
                 self.lib.npuc_session_output_view(self._session, p.index, i, ctypes.byref(ptr))
-                buf = (ctypes.c_char * max(t.nbytes, 1)).from_address(ptr.value or 0)
+                buf = memoryview((ctypes.c_char * max(t.nbytes, 1)).from_address(ptr.value or 0)).cast("B")
                 views[t.name] = np.frombuffer(buf, dtype=t.np_dtype, count=int(np.prod(t.shape, dtype=np.int64))
                                               ).reshape(t.shape)
             self._views[p.name] = views

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["ir", "compiler", "passes", "backend", "runtime", "cli", "errors.py", "__init__.py"]
+PACKAGES = ["ir", "compiler", "passes", "backend", "runtime", "apps", "tools", "cli", "errors.py", "__init__.py"]
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is in the dev extra")
