@@ -215,20 +215,10 @@ static inline i64 prefetch_rows(i64 K, i64 size) {
 }
 
 #ifdef NPUC_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
-static inline __m256 load8_bf16(const bf16 *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 static inline __m256 load8_any(const void *p, int bf, i64 i) {
-    return bf ? load8_bf16((const bf16 *)p + i) : _mm256_loadu_ps((const float *)p + i);
+    return bf ? npuc_load8_bf16((const bf16 *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 #endif
 
@@ -243,7 +233,7 @@ static float dot1_f32(const float *x, const float *w, i64 K) {
         a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
         b = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), b);
     }
-    s = hsum(_mm256_add_ps(a, b));
+    s = npuc_hsum8(_mm256_add_ps(a, b));
 #endif
     for (; k < K; k++) s += w[k] * x[k];
     return s;
@@ -277,8 +267,8 @@ static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, flo
         v = _mm256_loadu_ps(w2 + k); a2 = _mm256_fmadd_ps(v, xa, a2); c2 = _mm256_fmadd_ps(v, xc, c2);
         v = _mm256_loadu_ps(w3 + k); a3 = _mm256_fmadd_ps(v, xa, a3); c3 = _mm256_fmadd_ps(v, xc, c3);
     }
-    s[0][0] = hsum(a0); s[0][1] = hsum(a1); s[0][2] = hsum(a2); s[0][3] = hsum(a3);
-    s[1][0] = hsum(c0); s[1][1] = hsum(c1); s[1][2] = hsum(c2); s[1][3] = hsum(c3);
+    s[0][0] = npuc_hsum8(a0); s[0][1] = npuc_hsum8(a1); s[0][2] = npuc_hsum8(a2); s[0][3] = npuc_hsum8(a3);
+    s[1][0] = npuc_hsum8(c0); s[1][1] = npuc_hsum8(c1); s[1][2] = npuc_hsum8(c2); s[1][3] = npuc_hsum8(c3);
 #endif
     for (int r = 0; r < R; r++) {
         const float *xr = r ? x1 : x;
@@ -372,8 +362,8 @@ static void dot4_bf16(const float *xd, const float *x, const bf16 *w, i64 K, flo
         NPUC_BF16_ROW(v0, a0, b0) NPUC_BF16_ROW(v1, a1, b1) NPUC_BF16_ROW(v2, a2, b2) NPUC_BF16_ROW(v3, a3, b3)
     }
 #undef NPUC_BF16_ROW
-    s0 = hsum(_mm256_add_ps(a0, b0)); s1 = hsum(_mm256_add_ps(a1, b1));
-    s2 = hsum(_mm256_add_ps(a2, b2)); s3 = hsum(_mm256_add_ps(a3, b3));
+    s0 = npuc_hsum8(_mm256_add_ps(a0, b0)); s1 = npuc_hsum8(_mm256_add_ps(a1, b1));
+    s2 = npuc_hsum8(_mm256_add_ps(a2, b2)); s3 = npuc_hsum8(_mm256_add_ps(a3, b3));
 #else
     (void)xd;
 #endif
@@ -750,7 +740,7 @@ static void qdot4_u4(const float *xd, const uint8_t *w, i64 K, i64 G, const floa
             corr[r] += sc * zero[r * groups + g] * xsum[g];
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum(t[r]) - corr[r];
+    for (int r = 0; r < 4; r++) out[r] = npuc_hsum8(t[r]) - corr[r];
 }
 
 static void qdot4_i8(const float *x, const int8_t *w, i64 K, i64 G, const float *scale, const float *zero,
@@ -781,7 +771,7 @@ static void qdot4_i8(const float *x, const int8_t *w, i64 K, i64 G, const float 
             corr[r] += sc * zero[r * groups + g] * xsum[g];
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum(t[r]) + tail[r] - corr[r];
+    for (int r = 0; r < 4; r++) out[r] = npuc_hsum8(t[r]) + tail[r] - corr[r];
 }
 #endif
 
@@ -940,7 +930,7 @@ static void rms_chunk(const void *p, i64 c, int tid) {
             a = _mm256_fmadd_ps(v0, v0, a);
             b = _mm256_fmadd_ps(v1, v1, b);
         }
-        ss = hsum(_mm256_add_ps(a, b));
+        ss = npuc_hsum8(_mm256_add_ps(a, b));
 #endif
         for (; k < D; k++) ss += xr[k] * xr[k];
         float inv = 1.0f / sqrtf(ss / (float)D + j->eps);
@@ -1015,34 +1005,13 @@ int npuc_kv_write(void *cache, int cbf, const void *src, int sbf, const int64_t 
     return 0;
 }
 
-/* acc += p * v over n, and a bf16 row dotted with f32 x: attention's inner loops. */
-static void axpy_f32(float p, const float *v, float *acc, i64 n) {
-    i64 k = 0;
-#ifdef NPUC_AVX2
-    __m256 pv = _mm256_set1_ps(p);
-    for (; k + 8 <= n; k += 8)
-        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc + k)));
-#endif
-    for (; k < n; k++) acc[k] += p * v[k];
-}
-
-static void axpy_bf16(float p, const bf16 *v, float *acc, i64 n) {
-    i64 k = 0;
-#ifdef NPUC_AVX2
-    __m256 pv = _mm256_set1_ps(p);
-    for (; k + 8 <= n; k += 8)
-        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, load8_bf16(v + k), _mm256_loadu_ps(acc + k)));
-#endif
-    for (; k < n; k++) acc[k] += p * bf16_to_f32(v[k]);
-}
-
 static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
     float s = 0;
     i64 k = 0;
 #ifdef NPUC_AVX2
     __m256 a = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8_bf16(w + k), _mm256_loadu_ps(x + k), a);
-    s = hsum(a);
+    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(npuc_load8_bf16(w + k), _mm256_loadu_ps(x + k), a);
+    s = npuc_hsum8(a);
 #endif
     for (; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
     return s;
@@ -1110,7 +1079,7 @@ static float exp_sum(float *sc, i64 n, float mx) {
         _mm256_storeu_ps(sc + r, e);
         vs = _mm256_add_ps(vs, e);
     }
-    sum = hsum(vs);
+    sum = npuc_hsum8(vs);
 #endif
     for (; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
     return sum;
@@ -1183,8 +1152,8 @@ static void attention_chunk(const void *p, i64 job, int tid) {
     for (i64 r = v4; r < n; r++) {
         float pr = sc[r] * inv;
         i64 row = (kvh * L + r) * DV;
-        if (j->cbf) axpy_bf16(pr, (const bf16 *)j->vc + row, acc, DV);
-        else axpy_f32(pr, (const float *)j->vc + row, acc, DV);
+        if (j->cbf) npuc_axpy_bf16(pr, (const bf16 *)j->vc + row, acc, DV);
+        else npuc_axpy_f32(pr, (const float *)j->vc + row, acc, DV);
     }
     for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, job * DV + k, acc[k]);
 }

@@ -82,18 +82,6 @@ static inline int run_threads(const struct npuc_session *s, int bound) {
     return nt < 1 ? 1 : nt > bound ? bound : nt;
 }
 
-#ifdef DS_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline __m256 load8_bf16(const bf16 *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#endif
-
 static float dot_f32(const float *a, const float *b, i64 n) {
     float s = 0;
     i64 k = 0;
@@ -103,7 +91,7 @@ static float dot_f32(const float *a, const float *b, i64 n) {
         x = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), x);
         y = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), y);
     }
-    s = hsum8(_mm256_add_ps(x, y));
+    s = npuc_hsum8(_mm256_add_ps(x, y));
 #endif
     for (; k < n; k++) s += a[k] * b[k];
     return s;
@@ -115,34 +103,13 @@ static float dot_bf16(const float *a, const bf16 *b, i64 n) {
 #ifdef DS_AVX2
     __m256 x = _mm256_setzero_ps(), y = x;
     for (; k + 16 <= n; k += 16) {
-        x = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), load8_bf16(b + k), x);
-        y = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), load8_bf16(b + k + 8), y);
+        x = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), npuc_load8_bf16(b + k), x);
+        y = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), npuc_load8_bf16(b + k + 8), y);
     }
-    s = hsum8(_mm256_add_ps(x, y));
+    s = npuc_hsum8(_mm256_add_ps(x, y));
 #endif
     for (; k < n; k++) s += a[k] * rt_bf16_to_f32(b[k]);
     return s;
-}
-
-/* acc[0..n) += p * v[0..n) */
-static void axpy_f32(float p, const float *v, float *acc, i64 n) {
-    i64 k = 0;
-#ifdef DS_AVX2
-    __m256 pv = _mm256_set1_ps(p);
-    for (; k + 8 <= n; k += 8)
-        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc + k)));
-#endif
-    for (; k < n; k++) acc[k] += p * v[k];
-}
-
-static void axpy_bf16(float p, const bf16 *v, float *acc, i64 n) {
-    i64 k = 0;
-#ifdef DS_AVX2
-    __m256 pv = _mm256_set1_ps(p);
-    for (; k + 8 <= n; k += 8)
-        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, load8_bf16(v + k), _mm256_loadu_ps(acc + k)));
-#endif
-    for (; k < n; k++) acc[k] += p * rt_bf16_to_f32(v[k]);
 }
 
 
@@ -157,7 +124,7 @@ static float exp_sum(float *v, i64 n, float mx) {
         _mm256_storeu_ps(v + i, e);
         vs = _mm256_add_ps(vs, e);
     }
-    sum = hsum8(vs);
+    sum = npuc_hsum8(vs);
 #endif
     for (; i < n; i++) {
         v[i] = expf(v[i] - mx);
@@ -180,7 +147,7 @@ static void score_rows(const float *q, i64 dq, i64 nq, const void *rows, int bf,
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             i64 d = 0;
             for (; d + 8 <= dq; d += 8) {
-                __m256 kv = bf ? load8_bf16(rb + d) : _mm256_loadu_ps(rf + d);
+                __m256 kv = bf ? npuc_load8_bf16(rb + d) : _mm256_loadu_ps(rf + d);
                 a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
                 a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), kv, a1);
                 a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), kv, a2);
@@ -217,8 +184,8 @@ static void value_rows(const float *p, i64 ss, i64 nq, const void *rows, int bf,
                 __m256 v0, v1;
                 if (bf) {
                     const bf16 *r = (const bf16 *)rows + k * stride + c;
-                    v0 = load8_bf16(r);
-                    v1 = load8_bf16(r + 8);
+                    v0 = npuc_load8_bf16(r);
+                    v1 = npuc_load8_bf16(r + 8);
                 } else {
                     const float *r = (const float *)rows + k * stride + c;
                     v0 = _mm256_loadu_ps(r);
@@ -251,8 +218,8 @@ static void value_rows(const float *p, i64 ss, i64 nq, const void *rows, int bf,
         float *a = acc + t * da;
         for (i64 c = 0; c < da; c++) a[c] = 0.0f;
         for (i64 k = 0; k < m; k++) {
-            if (bf) axpy_bf16(p[t * ss + k], (const bf16 *)rows + k * stride, a, da);
-            else axpy_f32(p[t * ss + k], (const float *)rows + k * stride, a, da);
+            if (bf) npuc_axpy_bf16(p[t * ss + k], (const bf16 *)rows + k * stride, a, da);
+            else npuc_axpy_f32(p[t * ss + k], (const float *)rows + k * stride, a, da);
         }
     }
 }
@@ -402,7 +369,7 @@ static void mla_queries(const void *p, i64 g, int tid) {
             float *qi = q + i * dq;
             for (i64 k = 0; k < r; k++) qi[k] = 0.0f;
             for (i64 d = 0; d < dn; d++)
-                axpy_bf16(ld(j->qn, 1, (g * s + i) * dn + d), (const bf16 *)j->wuk + (hh * dn + d) * r, qi, r);
+                npuc_axpy_bf16(ld(j->qn, 1, (g * s + i) * dn + d), (const bf16 *)j->wuk + (hh * dn + d) * r, qi, r);
             round_bf16_n(qi, r); /* the reference's einsum in bf16 */
         }
     }
@@ -477,7 +444,7 @@ static void mla_out(const void *p, i64 g, int tid) {
             if (sp == 0) {
                 for (i64 k = 0; k < da; k++) a[k] *= w;
             } else if (w != 0.0f) {
-                axpy_f32(w, j->pacc + (sp * Q + q) * da, a, da);
+                npuc_axpy_f32(w, j->pacc + (sp * Q + q) * da, a, da);
             }
         }
         float inv = 1.0f / tot;
@@ -495,7 +462,7 @@ static void mla_out(const void *p, i64 g, int tid) {
             float *ai = a + i * r;
             round_bf16_n(ai, r); /* o_lat.to(bf16), then the einsum in bf16 */
             for (i64 k = 0; k < dv; k++) tmp[k] = 0.0f;
-            for (i64 k = 0; k < r; k++) axpy_bf16(ai[k], (const bf16 *)j->wuv + (hh * r + k) * dv, tmp, dv);
+            for (i64 k = 0; k < r; k++) npuc_axpy_bf16(ai[k], (const bf16 *)j->wuv + (hh * r + k) * dv, tmp, dv);
             for (i64 k = 0; k < dv; k++) st(j->out, 1, (g * s + i) * dv + k, tmp[k]);
         }
     }

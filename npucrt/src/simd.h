@@ -1,6 +1,9 @@
-/* SIMD helpers shared by the kernel files (kernels.c, ops_deepseek.c): AVX2 + FMA only. */
+/* SIMD helpers shared by the kernel files (kernels.c, ops_deepseek.c): exp, horizontal sums and bf16 loads
+ * on AVX2 + FMA; the axpy loops of attention with a portable tail. */
 #ifndef NPUCRT_SIMD_H
 #define NPUCRT_SIMD_H
+
+#include <stdint.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -29,6 +32,41 @@ static inline __m256 npuc_exp8(__m256 x) {
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(lo, _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), hi));
 }
+/* The horizontal sum of 8 floats, and 8 bf16 widened to f32 (a 16-bit shift). */
+static inline float npuc_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 npuc_load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 #endif
+
+/* acc[0..n) += p * v[0..n), v f32 or bf16: attention's inner loops (kernels.c, ops_deepseek.c). */
+static inline void npuc_axpy_f32(float p, const float *v, float *acc, int64_t n) {
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 pv = _mm256_set1_ps(p);
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc + k)));
+#endif
+    for (; k < n; k++) acc[k] += p * v[k];
+}
+
+static inline void npuc_axpy_bf16(float p, const uint16_t *v, float *acc, int64_t n) {
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 pv = _mm256_set1_ps(p);
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, npuc_load8_bf16(v + k), _mm256_loadu_ps(acc + k)));
+#endif
+    for (; k < n; k++) {
+        union { uint32_t u; float f; } w = {.u = (uint32_t)v[k] << 16};
+        acc[k] += p * w.f;
+    }
+}
 
 #endif /* NPUCRT_SIMD_H */
