@@ -258,6 +258,15 @@ def check(family: str, work: Path) -> Row:
     return row
 
 
+def checked(family: str, work: Path) -> Row:
+    """check(), then its folder removed (the matrix's workers call this)."""
+    import shutil
+
+    row = check(family, work)
+    shutil.rmtree(work / family, ignore_errors=True)
+    return row
+
+
 def native_parity(om: str, tokens: list[int], logits: list[Any], prompt: list[int]) -> str:
     """The C executor (libnpucrt) on the same .om against the torch interpreter's tokens and
     logits: "NEW/NEW" when every token is the same and every logit within NATIVE_TOL; its

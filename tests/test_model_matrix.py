@@ -5,17 +5,24 @@ Each family's row must be the row docs/models.md holds for it, when the doc was 
 with this transformers version; the last test checks the whole doc (summary, scope) against
 this run. `NPUC_WRITE_MODELS_DOC=1` (what `python docs/gen_models.py` sets) writes the doc
 from this run instead.
+
+The families selected in a session are checked ahead, in worker processes (NPUC_MATRIX_JOBS,
+default 2: building and tracing a tiny model is single-threaded Python, so two workers on two
+cores halve the matrix's time); each test waits for its own family's row.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
-import shutil
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import pytest
-from model_matrix import MATCHED, Row, check, documented, in_scope, render
+from model_matrix import MATCHED, Row, checked, documented, in_scope, render
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "models.md"
@@ -39,10 +46,28 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("matrix")
 
 
+@pytest.fixture(scope="module")
+def ahead(request: pytest.FixtureRequest, work: Path) -> Any:
+    """Futures of the rows of every family this session selected, checked in worker processes."""
+    selected = [item.callspec.params["family"] for item in request.session.items
+                if item.originalname == "test_family_is_what_the_doc_says" and hasattr(item, "callspec")]
+    jobs = int(os.environ.get("NPUC_MATRIX_JOBS", "2"))
+    if jobs <= 1 or len(selected) <= 1:
+        yield {}
+        return
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield {f: pool.submit(checked, f, work) for f in selected}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("family", in_scope())
-def test_family_is_what_the_doc_says(family: str, work: Path) -> None:
-    row = check(family, work)
-    shutil.rmtree(work / family, ignore_errors=True)
+def test_family_is_what_the_doc_says(family: str, work: Path, ahead: dict[str, Future[Row]]) -> None:
+    try:
+        row = ahead[family].result() if family in ahead else checked(family, work)
+    except BrokenProcessPool:  # a worker died (a crash in native code): this family again, here
+        row = checked(family, work)
     ROWS[family] = row
     assert row.status != "crashed", f"npuc crashed instead of refusing: {row.reason}"
     if row.status in MATCHED:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from npuc.runtime.session import Session
+
+_MARK = "npuc::profiled_run"
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,20 @@ class RunAllocations:
     output_bytes: int  # what the run returned (copies of the outputs)
     collective_count: int = 0  # allocations inside torch.distributed's collectives (not npuc's)
     collective_bytes: int = 0
+    ops: tuple[str, ...] = ()  # the allocating events' names, for a failure to name them
 
 
 def profile_run(s: Session, inputs: Mapping[str, Any], program: str | None = None, copy_outputs: bool = True
                 ) -> RunAllocations:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        outs = s.run(inputs, program, copy_outputs=copy_outputs)
+        with record_function(_MARK):  # names the calling thread among the profiler's
+            outs = s.run(inputs, program, copy_outputs=copy_outputs)
     every = prof.events()
-    main_thread = Counter(e.thread for e in every).most_common(1)[0][0] if len(every) else 0
+    marks = [e.thread for e in every if e.name == _MARK]
+    main_thread = marks[0] if marks else Counter(e.thread for e in every).most_common(1)[0][0] if len(every) else 0
     # A tensor-parallel program's collectives (torch.distributed: gloo, NCCL) allocate inside
-    # the library, under a c10d:: op or on its own threads: theirs, counted apart.
+    # the library, under a c10d:: op or on its own threads: theirs, counted apart. Other
+    # threads' events (a process's other work) are not this run's.
     events = [e for e in every if e.thread == main_thread and not _in_collective(e)]
     lib = [e for e in every if e.self_cpu_memory_usage > 0 and (e.thread != main_thread or _in_collective(e))]
     return RunAllocations(
@@ -49,7 +55,8 @@ def profile_run(s: Session, inputs: Mapping[str, Any], program: str | None = Non
         bytes=sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage > 0),
         net_bytes=sum(e.self_cpu_memory_usage for e in events),
         output_bytes=sum(t.numel() * t.element_size() for t in outs.values()) if copy_outputs else 0,
-        collective_count=len(lib), collective_bytes=sum(e.self_cpu_memory_usage for e in lib))
+        collective_count=len(lib), collective_bytes=sum(e.self_cpu_memory_usage for e in lib),
+        ops=tuple(f"{e.name}:{e.self_cpu_memory_usage}" for e in events if e.self_cpu_memory_usage > 0))
 
 
 def _in_collective(e: Any) -> bool:
