@@ -79,7 +79,7 @@ const char *npuc_dtype_name(int d) {
 }
 float rt_load_f(const void *p, int dtype, int64_t i) {
     if (dtype == NPUC_F32) return ((const float *)p)[i];
-    if (dtype == NPUC_BF16) return rt_bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dtype == NPUC_BF16) return npuc_bf16_to_f32(((const uint16_t *)p)[i]);
     if (dtype == NPUC_F64) return (float)((const double *)p)[i];
     return 0.0f;
 }

@@ -13,7 +13,6 @@ hands back (none with `copy_outputs=False`).
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +42,7 @@ def profile_run(s: Session, inputs: Mapping[str, Any], program: str | None = Non
         with record_function(_MARK):  # names the calling thread among the profiler's
             outs = s.run(inputs, program, copy_outputs=copy_outputs)
     every = prof.events()
-    marks = [e.thread for e in every if e.name == _MARK]
-    main_thread = marks[0] if marks else Counter(e.thread for e in every).most_common(1)[0][0] if len(every) else 0
+    main_thread = next(e.thread for e in every if e.name == _MARK)
     # A tensor-parallel program's collectives (torch.distributed: gloo, NCCL) allocate inside
     # the library, under a c10d:: op or on its own threads: theirs, counted apart. Other
     # threads' events (a process's other work) are not this run's.

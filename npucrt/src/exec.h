@@ -19,6 +19,7 @@
 #define NPUCRT_EXEC_H
 
 #include "model.h"
+#include "simd.h"
 
 #define RT_MAX_OPERANDS 16
 
@@ -89,10 +90,6 @@ rt_bind_fn rt_deepseek_binder(const char *op);
 rt_bind_fn rt_attention_binder(const char *op);
 
 /* Shared element conversions. */
-static inline float rt_bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
 static inline uint16_t rt_f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
     union { uint32_t u; float f; } v = {.f = f};
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);

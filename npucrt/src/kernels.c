@@ -37,13 +37,6 @@
 #define KN_PREFETCH_ROWS 8
 #endif
 
-static inline float bf16_to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline bf16 f32_to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -53,7 +46,7 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even; a NaN stays 
 }
 
 static inline float load_any(const void *p, int bf, i64 i) {
-    return bf ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+    return bf ? npuc_bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store_any(void *p, int bf, i64 i, float v) {
@@ -369,8 +362,8 @@ static void dot4_bf16(const float *xd, const float *x, const bf16 *w, i64 K, flo
 #endif
     for (; k < K; k++) {
         float xv = x[k];
-        s0 += bf16_to_f32(w0[k]) * xv; s1 += bf16_to_f32(w1[k]) * xv;
-        s2 += bf16_to_f32(w2[k]) * xv; s3 += bf16_to_f32(w3[k]) * xv;
+        s0 += npuc_bf16_to_f32(w0[k]) * xv; s1 += npuc_bf16_to_f32(w1[k]) * xv;
+        s2 += npuc_bf16_to_f32(w2[k]) * xv; s3 += npuc_bf16_to_f32(w3[k]) * xv;
     }
     out[0] = s0; out[1] = s1; out[2] = s2; out[3] = s3;
 }
@@ -424,7 +417,7 @@ static void linear_bf16_chunk(const void *p, i64 c, int tid) {
             else
                 for (i64 r = 0; r < rows; r++) {
                     float s = 0;
-                    for (i64 k = 0; k < K; k++) s += bf16_to_f32(j->w[(n + r) * K + k]) * j->xf[m * K + k];
+                    for (i64 k = 0; k < K; k++) s += npuc_bf16_to_f32(j->w[(n + r) * K + k]) * j->xf[m * K + k];
                     acc[r] = s;
                 }
             for (i64 r = 0; r < rows; r++) {
@@ -1013,7 +1006,7 @@ static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
     for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(npuc_load8_bf16(w + k), _mm256_loadu_ps(x + k), a);
     s = npuc_hsum8(a);
 #endif
-    for (; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
+    for (; k < K; k++) s += npuc_bf16_to_f32(w[k]) * x[k];
     return s;
 }
 

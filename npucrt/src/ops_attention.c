@@ -48,7 +48,7 @@ static i64 mul_ok(i64 a, i64 b) {
 
 /* A value of dtype dt after rounding f32 x to it. */
 static inline float round_to(int dt, float x) {
-    if (dt == NPUC_BF16) return rt_bf16_to_f32(rt_f32_to_bf16(x));
+    if (dt == NPUC_BF16) return npuc_bf16_to_f32(rt_f32_to_bf16(x));
     if (dt == NPUC_F16) return rt_f16_to_f32(rt_f32_to_f16(x));
     return x;
 }
@@ -316,7 +316,7 @@ static int bind_sdpa(rt_binder *b, rt_step *st) { return att_bind(b, st, 2); }
 static inline float ld(const void *p, int dt, i64 i) {
     switch (dt) {
     case NPUC_F32: return ((const float *)p)[i];
-    case NPUC_BF16: return rt_bf16_to_f32(((const uint16_t *)p)[i]);
+    case NPUC_BF16: return npuc_bf16_to_f32(((const uint16_t *)p)[i]);
     default: return rt_f16_to_f32(((const uint16_t *)p)[i]);
     }
 }

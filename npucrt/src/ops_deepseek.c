@@ -63,13 +63,13 @@ static inline i64 imax(i64 a, i64 b) { return a > b ? a : b; }
 static inline i64 cdiv(i64 a, i64 b) { return (a + b - 1) / b; }
 
 static inline float ld(const void *p, int bf, i64 i) {
-    return bf ? rt_bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+    return bf ? npuc_bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 static inline void st(void *p, int bf, i64 i, float v) {
     if (bf) ((bf16 *)p)[i] = rt_f32_to_bf16(v);
     else ((float *)p)[i] = v;
 }
-static inline float round_bf16(float v) { return rt_bf16_to_f32(rt_f32_to_bf16(v)); }
+static inline float round_bf16(float v) { return npuc_bf16_to_f32(rt_f32_to_bf16(v)); }
 static void round_bf16_n(float *v, i64 n) {
     for (i64 i = 0; i < n; i++) v[i] = round_bf16(v[i]);
 }
@@ -108,7 +108,7 @@ static float dot_bf16(const float *a, const bf16 *b, i64 n) {
     }
     s = npuc_hsum8(_mm256_add_ps(x, y));
 #endif
-    for (; k < n; k++) s += a[k] * rt_bf16_to_f32(b[k]);
+    for (; k < n; k++) s += a[k] * npuc_bf16_to_f32(b[k]);
     return s;
 }
 
@@ -157,7 +157,7 @@ static void score_rows(const float *q, i64 dq, i64 nq, const void *rows, int bf,
             float s4[4];
             _mm_storeu_ps(s4, _mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)));
             for (; d < dq; d++) {
-                float kd = bf ? rt_bf16_to_f32(rb[d]) : rf[d];
+                float kd = bf ? npuc_bf16_to_f32(rb[d]) : rf[d];
                 s4[0] += q0[d] * kd; s4[1] += q1[d] * kd; s4[2] += q2[d] * kd; s4[3] += q3[d] * kd;
             }
             for (int u = 0; u < 4; u++) sc[(t + u) * ss + k] = s4[u] * scale;
@@ -871,7 +871,7 @@ static int moe_run(const rt_step *stp, struct npuc_session *sess) {
     const void *x = stp->in[0].data;
     const float *xf = P->xbf ? ws + P->o_xf : (const float *)x;
     if (P->xbf)
-        for (i64 i = 0; i < T * H; i++) ws[P->o_xf + i] = rt_bf16_to_f32(((const bf16 *)x)[i]);
+        for (i64 i = 0; i < T * H; i++) ws[P->o_xf + i] = npuc_bf16_to_f32(((const bf16 *)x)[i]);
     /* the router in f32, as the reference's F.linear(x.float(), router.float()) */
     float *logits = ws + P->o_logits;
     npuc_linear_f32(xf, T, H, P->router, 0, E, H, NULL, logits, E, nt);

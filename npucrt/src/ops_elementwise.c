@@ -57,7 +57,7 @@ typedef struct ew_op {
 
 /* Round to the storage dtype: an intermediate that torch stores between two ops. */
 static inline float rd(float v, int dt) {
-    if (dt == NPUC_BF16) return rt_bf16_to_f32(rt_f32_to_bf16(v));
+    if (dt == NPUC_BF16) return npuc_bf16_to_f32(rt_f32_to_bf16(v));
     if (dt == NPUC_F16) return rt_f16_to_f32(rt_f32_to_f16(v));
     return v;
 }

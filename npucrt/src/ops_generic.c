@@ -212,7 +212,7 @@ void og_load_f32(const void *p, int dt, int64_t off, int64_t stride, int64_t n, 
         if (stride == 1) memcpy(dst, (const float *)p + off, (size_t)n * sizeof(float));
         else LOAD_LOOP(float, x);
         break;
-    case NPUC_BF16: LOAD_LOOP(uint16_t, rt_bf16_to_f32(x)); break;
+    case NPUC_BF16: LOAD_LOOP(uint16_t, npuc_bf16_to_f32(x)); break;
     case NPUC_F16: LOAD_LOOP(uint16_t, rt_f16_to_f32(x)); break;
     case NPUC_F64: LOAD_LOOP(double, (float)x); break;
     case NPUC_I64: LOAD_LOOP(int64_t, (float)x); break;
@@ -237,7 +237,7 @@ void og_load_i64(const void *p, int dt, int64_t off, int64_t stride, int64_t n, 
     case NPUC_U8: LOAD_LOOP(uint8_t, x); break;
     case NPUC_BOOL: LOAD_LOOP(uint8_t, x != 0); break;
     case NPUC_F32: LOAD_LOOP(float, og_f2i(x, NPUC_I64)); break;
-    case NPUC_BF16: LOAD_LOOP(uint16_t, og_f2i(rt_bf16_to_f32(x), NPUC_I64)); break;
+    case NPUC_BF16: LOAD_LOOP(uint16_t, og_f2i(npuc_bf16_to_f32(x), NPUC_I64)); break;
     case NPUC_F16: LOAD_LOOP(uint16_t, og_f2i(rt_f16_to_f32(x), NPUC_I64)); break;
     case NPUC_F64: LOAD_LOOP(double, og_f2i(x, NPUC_I64)); break;
     default: break;

@@ -30,7 +30,7 @@ static void store_f_strided(void *p, int dt, int64_t off, int64_t stride, const 
     else for (int64_t k = 0; k < n; k++) put_f(p, dt, off + k * stride, v[k]);
 }
 static inline float rd(float v, int dt) {
-    if (dt == NPUC_BF16) return rt_bf16_to_f32(rt_f32_to_bf16(v));
+    if (dt == NPUC_BF16) return npuc_bf16_to_f32(rt_f32_to_bf16(v));
     if (dt == NPUC_F16) return rt_f16_to_f32(rt_f32_to_f16(v));
     return v;
 }

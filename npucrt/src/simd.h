@@ -1,9 +1,15 @@
 /* SIMD helpers shared by the kernel files (kernels.c, ops_deepseek.c): exp, horizontal sums and bf16 loads
- * on AVX2 + FMA; the axpy loops of attention with a portable tail. */
+ * on AVX2 + FMA; the axpy loops of attention with a portable tail; the one scalar bf16 -> f32. */
 #ifndef NPUCRT_SIMD_H
 #define NPUCRT_SIMD_H
 
 #include <stdint.h>
+
+/* A bf16's value as f32 (its 16 bits are the top half of the f32's). */
+static inline float npuc_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -63,10 +69,7 @@ static inline void npuc_axpy_bf16(float p, const uint16_t *v, float *acc, int64_
     for (; k + 8 <= n; k += 8)
         _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(pv, npuc_load8_bf16(v + k), _mm256_loadu_ps(acc + k)));
 #endif
-    for (; k < n; k++) {
-        union { uint32_t u; float f; } w = {.u = (uint32_t)v[k] << 16};
-        acc[k] += p * w.f;
-    }
+    for (; k < n; k++) acc[k] += p * npuc_bf16_to_f32(v[k]);
 }
 
 #endif /* NPUCRT_SIMD_H */

@@ -230,7 +230,7 @@ float rt_load_f(const void *p, int dtype, int64_t i) {
     case NPUC_F32:
         return ((const float *)p)[i];
     case NPUC_BF16:
-        return rt_bf16_to_f32(((const uint16_t *)p)[i]);
+        return npuc_bf16_to_f32(((const uint16_t *)p)[i]);
     case NPUC_F16:
         return rt_f16_to_f32(((const uint16_t *)p)[i]);
     case NPUC_F64:
