@@ -105,12 +105,12 @@ def runtime_library() -> ctypes.CDLL | None:
     """libnpucrt with its C API declared, or None where it cannot be built (no compiler,
     NPUC_NATIVE=0)."""
     global _LIB
-    if _LIB is None:
-        from npuc.runtime import native
+    from npuc.runtime import native
 
-        lib = native.library()
-        if lib is None or not hasattr(lib, "npuc_abi_version"):
-            return None
+    lib = native.library()  # None while NPUC_NATIVE=0, whatever an earlier call found
+    if lib is None or not hasattr(lib, "npuc_abi_version"):
+        return None
+    if _LIB is not lib:  # declared once per loaded library
         _LIB = _declare(lib)
     return _LIB
 

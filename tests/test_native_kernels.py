@@ -33,11 +33,11 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         mp = pytest.MonkeyPatch()
         mp.setattr(native, "_VARIANTS", ((),))
         mp.setenv("NPUC_CACHE_DIR", str(tmp_path_factory.mktemp("portable")))
-        native.library.cache_clear()
+        native.reset()
         try:
             lib = native.library()
         finally:
-            native.library.cache_clear()
+            native.reset()
             mp.undo()
     assert lib is not None, "a C compiler is present, so the native kernels must build"
     return lib
@@ -598,9 +598,9 @@ def test_native_decode_allocates_nothing(host_lib: Any, llama_gen: dict[str, Pat
 @pytest.fixture
 def fresh_library() -> Any:
     """native.library() looked up anew in the test, and again after it (it is cached per process)."""
-    native.library.cache_clear()
+    native.reset()
     yield
-    native.library.cache_clear()
+    native.reset()
 
 
 def test_without_a_compiler_the_runtime_uses_torch(monkeypatch: pytest.MonkeyPatch, llama_gen: dict[str, Path],
@@ -631,7 +631,7 @@ def test_the_library_is_cached_per_host(monkeypatch: pytest.MonkeyPatch, tmp_pat
     built = list((tmp_path / "kernels").glob("libnpucrt-*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
-    native.library.cache_clear()
+    native.reset()
     assert native.library() is not None and built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
@@ -655,6 +655,20 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tm
 def test_npuc_native_0_turns_them_off(monkeypatch: pytest.MonkeyPatch, fresh_library: None) -> None:
     monkeypatch.setenv("NPUC_NATIVE", "0")
     assert native.library() is None
+
+
+def test_npuc_native_0_for_a_while_does_not_turn_them_off_for_good(monkeypatch: pytest.MonkeyPatch,
+                                                                     fresh_library: None) -> None:
+    """A CLI invocation with NPUC_NATIVE=0 in its environment (CliRunner(env=...)) may be the
+    process's first lookup; the sessions after it must still run the native kernels."""
+    from npuc.runtime.native_session import runtime_library
+
+    monkeypatch.setenv("NPUC_NATIVE", "0")
+    assert native.library() is None and runtime_library() is None
+    monkeypatch.delenv("NPUC_NATIVE")
+    assert native.library() is not None and runtime_library() is not None
+    monkeypatch.setenv("NPUC_NATIVE", "0")
+    assert runtime_library() is None
 
 
 @pytest.mark.parametrize("kn", [0, 1])

@@ -143,11 +143,25 @@ def _open(path: Path) -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built first if need be; None where they cannot be had."""
+    """The loaded kernels, built first if need be; None where they cannot be had.
+
+    NPUC_NATIVE is read on every call, outside the per-process cache: a caller that turns the
+    library off for a while (NPUC_NATIVE=0 in a CLI invocation's environment) must not turn it
+    off for the rest of the process."""
     if os.environ.get("NPUC_NATIVE", "1") == "0" or platform.system() == "Windows":
         return None
+    return _load()
+
+
+def reset() -> None:
+    """Forget the loaded library: the next library() looks it up again (the compiler, the
+    cache folder and the flags as they are then)."""
+    _load.cache_clear()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         log.info("no C compiler found: the runtime uses its torch kernels (set CC to use native ones)")
