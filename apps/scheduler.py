@@ -23,19 +23,22 @@ decode steps C tokens at a time (chunked prefill), so the slots decoding never w
 whole prompt; a slot with fewer than C tokens to feed repeats its last one.
 
 The feeds are buffers allocated once, so a step allocates nothing beyond what the
-session's run does (nothing, for decode) and the tokens chosen. Greedy only: each request's tokens are the ones it gets decoded alone.
+session's run does (nothing, for decode) and the tokens chosen. Each request's tokens are
+the ones it gets decoded alone: greedy, or sampled under its own parameters
+(apps/sampling.py), whose draws depend on its seed and its logits only.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info
+from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs
 from npuc.errors import EXIT_USAGE, NpucError
 
 SLOT = "slot"
@@ -47,6 +50,12 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     ignore_eos: bool = False
+    chooser: TokenChooser | None = None
+    logprobs: int = -1  # the chosen token's log-probability and this many alternatives; -1: none
+    prompt_logprobs: bool = False  # each prompt token's (after the first), under `logprobs` alternatives
+    prompt_lp: list[Any] = field(default_factory=list)
+    siblings: list[Request] = field(default_factory=list)  # the other continuations of this prompt (n > 1)
+    leader: Request | None = None  # a sibling's: the request whose prefill it shares
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (end of sequence), "length", "cache_full", "cancelled"
     slot: int = -1
@@ -63,6 +72,8 @@ class Event:
     token: int | None
     finish_reason: str | None = None
     logits: Any = None  # numpy (C executor) or torch (reference interpreter)
+    logprobs: Any = None  # (the token's log-probability, ((id, log-probability), ...) the most likely)
+    prompt_logprobs: Any = None  # with the request's first event: [None, (lp, top), ...] per prompt token
 
 
 class Scheduler:
@@ -73,6 +84,8 @@ class Scheduler:
         self._ids_name = self.info.ids_name
         self._pos_name = next(t.name for t in decode.inputs if t.name != self._ids_name)
         self.slots, self.tokens = next(t.shape for t in decode.inputs if t.name == self._ids_name)
+        logits_out = next((t for t in decode.outputs if t.name == "logits"), None)
+        self._decode_rows = logits_out.shape[1] if logits_out is not None and len(logits_out.shape) == 3 else 1
         prefill_inputs = {t.name for t in s.programs["prefill"].inputs}
         self._slotted = SLOT in prefill_inputs
         if self.slots > 1 and not self._slotted:
@@ -89,24 +102,62 @@ class Scheduler:
         self._queue: deque[Request] = deque()
         self._ids_counter = itertools.count()
         self.requests: dict[int, Request] = {}
+        self._grammar_tokenizer: Any = None  # apps/structured.GrammarTokenizer, built on first need
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the model's stored tokenizer (NPUC-E0126 without one)."""
+        if self._grammar_tokenizer is None:
+            from npuc.apps.generate import load_tokenizer_object
+            from npuc.apps.structured import GrammarTokenizer
+
+            self._grammar_tokenizer = GrammarTokenizer(load_tokenizer_object(self.session), self.info.vocab,
+                                                       self.info.eos)
+        return self._grammar_tokenizer
 
     # -- requests ------------------------------------------------------------------------------
 
-    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check(self, prompt: list[int], max_new_tokens: int, prompt_logprobs: bool = False) -> None:
         """What `submit` refuses (NPUC-E0125): an empty prompt, one the cache cannot hold with a
-        token after it, an id outside the vocabulary, or max_new_tokens < 1."""
+        token after it, an id outside the vocabulary, or max_new_tokens < 1 (0 is allowed with
+        prompt_logprobs: the prompt scored, nothing generated)."""
         check_prompt(self.info, prompt)
-        if max_new_tokens < 1:
+        if max_new_tokens < (0 if prompt_logprobs else 1):
             raise NpucError("NPUC-E0125", f"max_new_tokens is {max_new_tokens}", "ask for at least one token",
                             exit_code=EXIT_USAGE)
 
-    def submit(self, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> int:
+    def submit(self, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False,
+               sampling: SamplingParams = GREEDY, logprobs: int = -1, prompt_logprobs: bool = False) -> int:
+        """Queue a request. logprobs >= 0: each token's log-probability (the model's
+        log-softmax, before any sampling transform) and that many most likely alternatives;
+        prompt_logprobs: the same for each prompt token after the first."""
+        return self.submit_many(prompt, 1, max_new_tokens, ignore_eos, sampling, logprobs, prompt_logprobs)[0]
+
+    def submit_many(self, prompt: list[int], n: int, max_new_tokens: int, ignore_eos: bool = False,
+                    sampling: SamplingParams = GREEDY, logprobs: int = -1, prompt_logprobs: bool = False
+                    ) -> list[int]:
+        """n continuations of one prompt (OpenAI's `n`): admitted together into n slots, one
+        prefill whose slot is then copied into the others. With a seed S, continuation i draws
+        with seed S + i: the tokens a single request seeded S + i gets."""
         prompt = [int(t) for t in prompt]
-        self.check(prompt, max_new_tokens)
-        r = Request(next(self._ids_counter), prompt, max_new_tokens, ignore_eos)
-        self.requests[r.id] = r
-        self._queue.append(r)
-        return r.id
+        self.check(prompt, max_new_tokens, prompt_logprobs)
+        if not 1 <= n <= self.slots:
+            raise NpucError("NPUC-E0125", f"{n} continuations of one prompt; the model has {self.slots} slot(s)",
+                            f"ask for 1 to {self.slots}, or compile more slots (--input_shape input_ids:N,S)",
+                            exit_code=EXIT_USAGE)
+        if sampling.grammar is not None:
+            self.grammar_tokenizer().check(sampling.grammar)
+        group: list[Request] = []
+        for i in range(n):
+            q = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=(sampling.seed + i) % 2**64)
+            matcher = self.grammar_tokenizer().matcher(q.grammar) if q.grammar is not None else None
+            chooser = TokenChooser(q, prompt, max_new_tokens, self.info.vocab, self.info.eos, matcher)
+            r = Request(next(self._ids_counter), prompt, max_new_tokens, ignore_eos, chooser, logprobs,
+                        prompt_logprobs, leader=group[0] if group else None)
+            self.requests[r.id] = r
+            group.append(r)
+        group[0].siblings = group[1:]
+        self._queue.append(group[0])
+        return [r.id for r in group]
 
     def cancel(self, rid: int) -> bool:
         """End a request now (its slot is free for the next step); False if it had ended."""
@@ -116,8 +167,18 @@ class Scheduler:
         r.finish_reason = "cancelled"
         if r.slot >= 0:
             self._running[r.slot] = None
-        else:
-            self._queue.remove(r)
+        elif r.leader is not None:  # waits with its leader: it will not be admitted
+            r.leader.siblings.remove(r)
+        else:  # a queued leader: its waiting siblings take its place
+            i = self._queue.index(r)
+            if r.siblings:
+                heir, *rest = r.siblings
+                heir.leader, heir.siblings = None, rest
+                for q in rest:
+                    q.leader = heir
+                self._queue[i] = heir
+            else:
+                del self._queue[i]
         return True
 
     @property
@@ -136,17 +197,22 @@ class Scheduler:
 
     def step(self) -> list[Event]:
         events: list[Event] = []
-        for k in range(self.slots):
-            if self._running[k] is None and self._queue:
-                self._admit(self._queue.popleft(), k, events)
+        free = [k for k in range(self.slots) if self._running[k] is None]
+        while self._queue and len(free) > len(self._queue[0].siblings):  # in order: a group waits for its slots
+            lead = self._queue.popleft()
+            taken, free = free[:1 + len(lead.siblings)], free[1 + len(lead.siblings):]
+            self._admit(lead, taken[0], events, taken[1:])
         if not self.active:
             return events
         c = self.tokens
         pos = self._pos.reshape(self.slots, c)
         for k, r in enumerate(self._running):
             # up to C tokens of the slot's feed; the rest of its C rows repeat the last (token,
-            # position), which writes the same key and value again: a no-op on the cache
+            # position), which writes the same key and value again: a no-op on the cache. A
+            # prompt scored through decode steps that give only their last row goes 1 a step.
             n = min(c, len(r.feed)) if r is not None else 1
+            if r is not None and r.prompt_logprobs and self._decode_rows != c and r.pos < len(r.prompt):
+                n = 1
             for i in range(c):
                 j = min(i, n - 1)
                 self._ids[k, i] = r.feed[j] if r is not None else 0
@@ -158,19 +224,30 @@ class Scheduler:
             if r is None:
                 continue
             n = self._fed[k]
+            if r.prompt_logprobs:  # row i scores the token after the one fed at position r.pos + i
+                for i in range(n):
+                    if r.pos + i + 1 < len(r.prompt):
+                        row = logits[k, i if logits.shape[1] == c else -1]
+                        r.prompt_lp.append(token_logprobs(row, r.prompt[r.pos + i + 1], r.logprobs))
             del r.feed[:n]
             r.pos += n
             if not r.feed:
                 self._choose(r, logits[k, n - 1 if logits.shape[1] == c else -1], events)
         return events
 
-    def _admit(self, r: Request, k: int, events: list[Event]) -> None:
+    def _admit(self, r: Request, k: int, events: list[Event], sibling_slots: list[int] | None = None) -> None:
         info = self.info
-        if self.tokens > 1 and self.active:
+        group = list(zip([r, *r.siblings], [k, *(sibling_slots or [])], strict=True))
+        scored = r.prompt_logprobs and (info.last_token or self._decode_rows != self.tokens)
+        if (self.tokens > 1 and self.active and not scored and not r.siblings) or (r.prompt_logprobs and info.last_token):
             # Slots are decoding: the prompt goes through the decode steps, C tokens a step,
-            # rather than a prefill the decoding slots would wait for (chunked prefill).
-            r.slot, r.pos, r.feed = k, 0, list(r.prompt)
-            self._running[k] = r
+            # rather than a prefill the decoding slots would wait for (chunked prefill). A
+            # prompt to score whose prefill keeps only its last row of logits goes that way
+            # too: each step's rows score the prompt tokens after the ones fed (each of a group
+            # its own: the one case where a group's prompt runs more than once).
+            for q, kq in group:
+                q.slot, q.pos, q.feed = kq, 0, list(q.prompt)
+                self._running[kq] = q
             return
         n = min(len(r.prompt), info.prefill_len)
         self._prompt[:] = 0
@@ -182,16 +259,32 @@ class Scheduler:
         if self._slotted:
             self._slot[0] = k
             feeds[SLOT] = self._slot
-        logits = self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0, 0 if info.last_token else n - 1]
-        r.slot, r.pos, r.feed = k, n, list(r.prompt[n:])
-        self._running[k] = r
-        if not r.feed:
-            self._choose(r, logits, events)
+        rows = self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0]
+        logits = rows[0 if info.last_token else n - 1]
+        if r.prompt_logprobs:  # row i scores prompt token i + 1
+            r.prompt_lp = [token_logprobs(rows[i], r.prompt[i + 1], r.logprobs) for i in range(min(n, len(r.prompt) - 1))]
+        for q, kq in group:  # the others continue from a copy of this slot: one prefill for all
+            if kq != k:
+                self.session.copy_slot(k, kq)
+            q.slot, q.pos, q.feed, q.prompt_lp = kq, n, list(q.prompt[n:]), list(r.prompt_lp)
+            self._running[kq] = q
+        for q, _ in group:
+            if not q.feed:
+                self._choose(q, logits, events)
 
     def _choose(self, r: Request, logits: Any, events: list[Event]) -> None:
-        token = int(logits.argmax())
+        first = not r.tokens
+        prompt_lp = [None, *r.prompt_lp] if r.prompt_logprobs and first else None
+        if r.max_new_tokens == 0:  # the prompt scored, nothing generated
+            r.finish_reason = "length"
+            self._running[r.slot] = None
+            events.append(Event(r.id, None, r.finish_reason, prompt_logprobs=prompt_lp))
+            return
+        token = r.chooser(logits) if r.chooser is not None else int(logits.argmax())
         r.tokens.append(token)
-        if token in self.info.eos and not r.ignore_eos:
+        constrained = r.chooser is not None and r.chooser.matcher is not None
+        if (token in self.info.eos and (not r.ignore_eos or constrained)) or (
+                r.chooser is not None and token in r.chooser.params.stop_token_ids):
             r.finish_reason = "stop"
         elif len(r.tokens) >= r.max_new_tokens:
             r.finish_reason = "length"
@@ -201,16 +294,21 @@ class Scheduler:
             r.feed.append(token)
         if r.finish_reason is not None:
             self._running[r.slot] = None
-        events.append(Event(r.id, token, r.finish_reason, copy_row(logits) if self.keep_logits else None))
+        events.append(Event(r.id, token, r.finish_reason, copy_row(logits) if self.keep_logits else None,
+                            token_logprobs(logits, token, r.logprobs) if r.logprobs >= 0 else None, prompt_lp))
 
 
-def generate_many(s: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
-                  ) -> list[list[int]]:
-    """Greedy tokens for each prompt, decoded over the model's slots together."""
+def generate_many(s: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
+                  sampling: SamplingParams = GREEDY) -> list[list[int]]:
+    """The tokens of each prompt (greedy, or sampled under the same parameters: with a seed S,
+    prompt i draws with seed S + i, so that two equal prompts get their own samples),
+    decoded over the model's slots together."""
     sched = Scheduler(s)
     for p in prompts:
         sched.check(list(p), max_new_tokens)  # every prompt before any runs
-    ids = [sched.submit(list(p), max_new_tokens, ignore_eos) for p in prompts]
+    seeded = [sampling if sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
+              for i in range(len(prompts))]
+    ids = [sched.submit(list(p), max_new_tokens, ignore_eos, q) for p, q in zip(prompts, seeded, strict=True)]
     while not sched.idle:
         sched.step()
     return [sched.requests[i].tokens for i in ids]

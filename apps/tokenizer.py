@@ -54,6 +54,10 @@ class StoredTokenizer:
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self._clean = bool(config.get("clean_up_tokenization_spaces", False))
 
+    def backend_json(self) -> str:
+        """tokenizer.json as the tokenizers library serialises it (what llguidance reads)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -62,7 +66,7 @@ class StoredTokenizer:
         return _clean_up(text) if self._clean else text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> Any:
+                            tokenize: bool = True, tools: list[dict[str, Any]] | None = None) -> Any:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -77,7 +81,7 @@ class StoredTokenizer:
                                                                                        ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception
         text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             **{k: v for k, v in self._special.items() if v is not None})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

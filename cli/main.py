@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -212,18 +214,39 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=click.IntRange(min=1), default=32,
               show_default=True)
 @click.option("--ignore-eos", "--ignore_eos", "ignore_eos", is_flag=True, help="Do not stop at end-of-sequence.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0: greedy; above 0: sampled from softmax(logits / T).")
+@click.option("--top-p", "--top_p", "top_p", type=float, default=1.0, show_default=True,
+              help="Keep the most likely tokens whose mass reaches P (1: off).")
+@click.option("--top-k", "--top_k", "top_k", type=int, default=0, show_default=True,
+              help="Keep the K most likely tokens (0: off).")
+@click.option("--min-p", "--min_p", "min_p", type=float, default=0.0, show_default=True,
+              help="Drop tokens less likely than P times the most likely one (0: off).")
+@click.option("--repetition-penalty", "--repetition_penalty", "repetition_penalty", type=float, default=1.0,
+              show_default=True, help="Over the prompt and the output: a logit > 0 divided by it, else multiplied.")
+@click.option("--presence-penalty", "--presence_penalty", "presence_penalty", type=float, default=0.0,
+              show_default=True)
+@click.option("--frequency-penalty", "--frequency_penalty", "frequency_penalty", type=float, default=0.0,
+              show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+              help="Sample reproducibly (prompt i with seed S + i); without it, a random seed.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
 @click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
               help="Run a model compiled with --tp N as N local ranks (what torchrun --nproc-per-node N does).")
 @click.option("--debug", is_flag=True)
 @handle_errors
 def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prompts_file: str | None,
-             max_new_tokens: int, ignore_eos: bool, device: str, tp: int | None, debug: bool) -> None:
-    """Greedy decoding with a .om compiled with --max_seq_len. One prompt: prints the new
+             max_new_tokens: int, ignore_eos: bool, temperature: float, top_p: float, top_k: int, min_p: float,
+             repetition_penalty: float, presence_penalty: float, frequency_penalty: float, seed: int | None,
+             device: str, tp: int | None, debug: bool) -> None:
+    """Decoding with a .om compiled with --max_seq_len: greedy, or sampled (--temperature
+    above 0, and the filters and penalties; docs/serving.md). One prompt: prints the new
     token ids (and the text, for a text prompt). Several (repeated flags, or --prompts):
     decodes them together over the model's slots (--input_shape input_ids:B,S compiles B)
     and prints one JSON line each, in order: {"index", "token_ids"[, "text"]}."""
-    from npuc.apps.generate import load_tokenizer
+    from npuc.apps.generate import generation_info, load_tokenizer
+    from npuc.apps.sampling import SamplingParams
+    from npuc.apps.sampling import check as check_sampling
     from npuc.apps.scheduler import generate_many
     from npuc.runtime.executor import open_session
 
@@ -239,9 +262,15 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     if leader and any(isinstance(p, str) for p in items):
         encode, decode = load_tokenizer(sess)
     ids = [encode(p) if isinstance(p, str) and encode is not None else p for p in items]
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    if not sampling.plain and seed is None:  # one seed for every rank of a --tp run
+        sampling = replace(sampling, seed=secrets.randbits(63))
     if parallel is not None:
-        ids = parallel.share(ids)  # rank 0's prompts; every rank runs the same steps
-    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos)
+        ids, sampling = parallel.share((ids, sampling))  # rank 0's; every rank runs the same steps
+    check_sampling(sampling, generation_info(sess).vocab)
+    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling)
     if parallel is not None:
         parallel.finish()
     if not leader:
@@ -265,9 +294,12 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
 @click.option("--max-queue", "--max_queue", "max_queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; past that, 429 with Retry-After.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
+@click.option("--tool-call-parser", "--tool_call_parser", "tool_parser",
+              type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
+              help="The tool-call format the model writes (default: read from its chat template).")
 @click.option("--debug", is_flag=True)
 @handle_errors
-def serve(om: str, host: str, port: int, max_queue: int, device: str, debug: bool) -> None:
+def serve(om: str, host: str, port: int, max_queue: int, device: str, tool_parser: str | None, debug: bool) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /health,
     /metrics) over a .om compiled with --max_seq_len; its slots decode requests together
     (docs/serving.md). Needs npuc[serve]."""
@@ -279,7 +311,7 @@ def serve(om: str, host: str, port: int, max_queue: int, device: str, debug: boo
                         exit_code=EXIT_USAGE) from None
     from npuc.apps.serve import run
 
-    run(om, host, port, max_queue, device)
+    run(om, host, port, max_queue, device, tool_parser)
 
 
 def _without_tp(argv: Sequence[str]) -> list[str]:

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define NPUCRT_ABI_VERSION 1
+#define NPUCRT_ABI_VERSION 2
 #define NPUC_MAX_RANK 8
 
 #define NPUC_OK 0
@@ -34,6 +34,7 @@ extern "C" {
 #define NPUC_E_INPUTS 107     /* inputs missing or unknown */
 #define NPUC_E_INPUT 108      /* an input's shape, dtype or value (position, slot, token id) */
 #define NPUC_E_PROMPT 125     /* a prompt generation cannot take */
+#define NPUC_E_SAMPLING 160   /* a sampling parameter out of its range */
 #define NPUC_E_OPEN 401       /* cannot open or read the file */
 #define NPUC_E_MAGIC 402      /* not a .om */
 #define NPUC_E_VERSION 403    /* format version or flags */
@@ -166,6 +167,51 @@ int npuc_prefill(npuc_session *s, int32_t slot, const int64_t *tokens, int32_t n
 int npuc_decode_step(npuc_session *s, const int64_t *tokens, const int64_t *positions, const int32_t *n_fed,
                      float *logits, int64_t *next_tokens, npuc_error *err);
 
+/* Sampling (src/sample.c; docs/serving.md). Initialise with npuc_sampling_default: greedy,
+ * every filter and penalty off. Applied in this order: logit_bias and banned ids, the
+ * penalties, then temperature (0: greedy, the first largest logit), top_k, top_p, min_p, and a
+ * draw. The draw's random number is a hash of (seed, the token's index in the output) alone,
+ * so a seeded sequence gets the same tokens in any slot, beside any other sequences. */
+typedef struct npuc_sampling {
+    uint32_t struct_size;      /* sizeof(npuc_sampling) */
+    float temperature;         /* >= 0; 0: greedy */
+    float top_p;               /* (0, 1]; 1: off */
+    int32_t top_k;             /* >= 0; 0: off */
+    float min_p;               /* [0, 1]; 0: off */
+    float presence_penalty;    /* [-2, 2]: subtracted once from each id the output holds */
+    float frequency_penalty;   /* [-2, 2]: subtracted per occurrence in the output */
+    float repetition_penalty;  /* > 0; 1: off. Over prompt and output: a logit > 0 divided, else multiplied */
+    uint64_t seed;
+    int32_t n_bias;            /* logit_bias: bias_values[i] (in [-100, 100]) added to bias_ids[i] */
+    const int64_t *bias_ids;
+    const float *bias_values;
+    int32_t n_banned;          /* ids never chosen (e.g. the end ids before min_tokens) */
+    const int64_t *banned;
+    int64_t n_allowed_words;   /* a grammar's token mask: id i may be chosen iff bit i % 32 of */
+    const uint32_t *allowed;   /* allowed[i / 32] is set (ids past the words: never); 0: no mask */
+} npuc_sampling;
+
+void npuc_sampling_default(npuc_sampling *p);
+/* NPUC_E_SAMPLING naming the field out of its range; logit_bias ids must be < vocab. */
+int npuc_sampling_check(const npuc_sampling *p, int64_t vocab, npuc_error *err);
+/* The work space npuc_sample needs for a row of vocab logits. */
+size_t npuc_sample_work_bytes(int64_t vocab);
+/* The row after logit_bias, banned ids and the penalties (processed may be logits). */
+int npuc_sampling_process(const float *logits, int64_t vocab, const npuc_sampling *sampling, const int64_t *prompt,
+                          int32_t n_prompt, const int64_t *out, int32_t n_out, float *processed, npuc_error *err);
+/* The draw's uniform number in [0, 1) for the output's token `index` under `seed`. */
+double npuc_sample_uniform(uint64_t seed, int64_t index);
+/* A token from one row of logits (not modified). prompt and out (the tokens generated so
+ * far: n_out is also the draw's index) feed the penalties. sampling NULL: greedy. */
+int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *sampling, const int64_t *prompt,
+                int32_t n_prompt, const int64_t *out, int32_t n_out, void *work, size_t work_bytes, int64_t *token,
+                npuc_error *err);
+
+/* Copy slot `from`'s state (its KV cache rows, every position) into slot `to`: one prefill
+ * then serves several continuations of the same prompt (n > 1). The copy's next decode step
+ * continues where `from` stands. */
+int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error *err);
+
 /* Called for each generated token: return 0 to go on, non-zero to end that sequence. */
 typedef int (*npuc_token_callback)(void *user, int32_t sequence, int64_t token);
 
@@ -177,6 +223,7 @@ typedef struct npuc_sequence {
     int64_t *out_tokens;    /* optional: receives up to max_new_tokens ids */
     int32_t n_out;          /* set: tokens generated */
     int32_t finish_reason;  /* set: NPUC_FINISH_* */
+    const npuc_sampling *sampling; /* NULL: greedy. Penalties need out_tokens. */
 } npuc_sequence;
 
 #define NPUC_FINISH_STOP 1       /* an end-of-sequence id */
@@ -184,7 +231,7 @@ typedef struct npuc_sequence {
 #define NPUC_FINISH_CACHE_FULL 3 /* the sequence reached max_seq_len */
 #define NPUC_FINISH_CALLBACK 4   /* the callback asked to stop */
 
-/* Greedy generation of many sequences over the model's slots: each is admitted into a free
+/* Generation of many sequences over the model's slots (greedy, or each its own sampling): each is admitted into a free
  * slot (a prefill), all active slots decode together, and each gets the tokens it gets alone. */
 int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
                   npuc_error *err);

@@ -88,13 +88,18 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "npuc_generate": [P, P, I32, P, P, E],
         "npuc_prefill": [P, I32, P, I32, P, P, E],
         "npuc_decode_step": [P, P, P, P, P, P, E],
+        "npuc_sampling_check": [P, I64, E],
+        "npuc_session_copy_slot": [P, I32, I32, E],
+        "npuc_sample": [P, I64, P, P, I32, P, I32, P, ctypes.c_size_t, P, E],
+        "npuc_sampling_process": [P, I64, P, P, I32, P, I32, P, E],
     }
     for name, args in sigs.items():
         f = getattr(lib, name)
         f.argtypes = args
         f.restype = ctypes.c_int
     lib.npuc_model_free.restype = ctypes.c_int
-    _ = I64
+    lib.npuc_sample_work_bytes.argtypes, lib.npuc_sample_work_bytes.restype = [I64], ctypes.c_size_t
+    lib.npuc_sample_uniform.argtypes, lib.npuc_sample_uniform.restype = [U64, I64], ctypes.c_double
     return lib
 
 
@@ -249,6 +254,13 @@ class NativeSession:
 
     def reset_state(self) -> None:
         self.lib.npuc_session_reset(self._session)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot src's KV cache into slot dst (n > 1 continuations of one prefill)."""
+        err = _Error()
+        rc = self.lib.npuc_session_copy_slot(self._session, src, dst, ctypes.byref(err))
+        if rc:
+            _raise(err, rc)
 
     @property
     def extra_bytes(self) -> int:

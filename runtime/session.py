@@ -151,6 +151,20 @@ class Session:
         """Forget the KV cache (a new sequence)."""
         self.state.zero_()
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot src's KV cache into slot dst (n > 1 continuations of one prefill): every state
+        tensor is [slots, ...] (npuc_session_copy_slot's rule)."""
+        slots = self._slots
+        if not (0 <= src < slots and 0 <= dst < slots):
+            raise NpucError("NPUC-E0108", f"copy from slot {src} to slot {dst}", f"slots are 0..{slots - 1}")
+        regions = {(t.offset, t.nbytes) for t in self.tensors if t.region == "state"}
+        if any(t.region == "state" and (not t.shape or t.shape[0] != slots) for t in self.tensors):
+            raise NpucError("NPUC-E0108", "a state tensor is not one row per slot",
+                            "only a state laid out [slots, ...] can be copied by slot")
+        for off, n in sorted(regions):
+            row = n // slots
+            self.state[off + dst * row:off + (dst + 1) * row] = self.state[off + src * row:off + (src + 1) * row]
+
     def _program(self, name: str | None) -> Program:
         if name is None:
             return next(iter(self.programs.values()))

@@ -101,14 +101,14 @@ def _c_generate(om: Path, prompts: list[list[int]], limits: list[int]) -> list[l
         _fields_ = [("prompt", ctypes.POINTER(ctypes.c_int64)), ("prompt_len", ctypes.c_int32),
                     ("max_new_tokens", ctypes.c_int32), ("ignore_eos", ctypes.c_int32),
                     ("out_tokens", ctypes.POINTER(ctypes.c_int64)), ("n_out", ctypes.c_int32),
-                    ("finish_reason", ctypes.c_int32)]
+                    ("finish_reason", ctypes.c_int32), ("sampling", ctypes.c_void_p)]  # NULL: greedy
 
     keep = []
     seqs = (Seq * len(prompts))()
     for q, (p, n) in enumerate(zip(prompts, limits, strict=True)):
         pa, out = (ctypes.c_int64 * len(p))(*p), (ctypes.c_int64 * n)()
         keep += [pa, out]
-        seqs[q] = Seq(pa, len(p), n, 1, out, 0, 0)
+        seqs[q] = Seq(pa, len(p), n, 1, out, 0, 0, None)
     seen: list[tuple[int, int]] = []
     cb_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
     cb = cb_type(lambda user, seq, tok: seen.append((seq, tok)) or 0)

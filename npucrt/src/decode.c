@@ -1,4 +1,4 @@
-/* The decode loop: prefill into a slot, decode steps over every slot, greedy choice, and
+/* The decode loop: prefill into a slot, decode steps over every slot, the greedy choice, and
  * npuc_generate, which schedules many sequences over the slots (runtime/scheduler.py's
  * algorithm, so that each sequence gets the tokens it gets alone, as there).
  *
@@ -124,16 +124,6 @@ int npuc_model_generation_info(const npuc_model *m, npuc_generation_info *info, 
     return NPUC_OK;
 }
 
-/* The first index of the largest value (a NaN counts as the largest, as torch.argmax). */
-static int64_t argmax(const float *x, int64_t n) {
-    int64_t best = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (isnan(x[i])) return i;
-        if (x[i] > x[best]) best = i;
-    }
-    return best;
-}
-
 static int prompt_ok(const npuc_model *m, const int64_t *tokens, int32_t n, npuc_error *err) {
     const npuc_generation_info *g = &m->gen;
     if (tokens == NULL || n < 1)
@@ -174,7 +164,7 @@ static int decode_run(npuc_session *s, const int64_t *ids, const int64_t *pos, c
         int32_t f = fed[k] > 0 ? fed[k] : 1;
         const float *row = (const float *)view + ((int64_t)k * rows + (rows == g->decode_tokens ? f - 1 : rows - 1)) * V;
         if (logits != NULL) memcpy(logits + (int64_t)k * V, row, (size_t)V * sizeof(float));
-        if (next != NULL) next[k] = argmax(row, V);
+        if (next != NULL) next[k] = rt_argmax(row, V);
     }
     return 0;
 }
@@ -281,15 +271,53 @@ int npuc_prefill(npuc_session *s, int32_t slot, const int64_t *tokens, int32_t n
     }
     if (!rc) {
         if (logits != NULL) memcpy(logits, row, (size_t)V * sizeof(float));
-        if (next_token != NULL) *next_token = argmax(row, V);
+        if (next_token != NULL) *next_token = rt_argmax(row, V);
     }
     free(row), free(ids), free(fed);
     return rc;
 }
 
+/* ---- copying a slot: one prefill for many continuations -------------------------------------- */
+
+int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error *err) {
+    if (s == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    const npuc_model *m = rt_session_model(s);
+    if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
+    const int64_t B = m->gen.slots;
+    if (from < 0 || from >= B || to < 0 || to >= B) {
+        char hint[64];
+        snprintf(hint, sizeof hint, "slots are 0..%lld", (long long)B - 1);
+        return rt_fail(err, NPUC_E_INPUT, hint, "copy from slot %d to slot %d", (int)from, (int)to);
+    }
+    /* every state tensor holds its slots first, [slots, ...]: checked before any byte moves */
+    for (int32_t i = 0; i < m->n_tensors; i++) {
+        const rt_tensor *t = &m->tensors[i];
+        if (t->region == REGION_STATE && (t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B))
+            return rt_fail(err, NPUC_E_INPUT, "only a state laid out [slots, ...] can be copied by slot",
+                           "state tensor %s is not one row per slot", t->name);
+    }
+    if (from == to) return NPUC_OK;
+    uint8_t *state = rt_session_state(s);
+    for (int32_t i = 0; i < m->n_tensors; i++) {
+        const rt_tensor *t = &m->tensors[i];
+        if (t->region != REGION_STATE) continue;
+        int seen = 0; /* a view of the same bytes (kv_write's output) is copied once */
+        for (int32_t j = 0; j < i && !seen; j++)
+            seen = m->tensors[j].region == REGION_STATE && m->tensors[j].offset == t->offset &&
+                   m->tensors[j].nbytes == t->nbytes;
+        if (seen) continue;
+        uint64_t row = t->nbytes / (uint64_t)B;
+        memmove(state + t->offset + row * (uint64_t)to, state + t->offset + row * (uint64_t)from, (size_t)row);
+    }
+    int64_t *track = rt_session_slot_track(s);
+    track[2 * to] = track[2 * from], track[2 * to + 1] = track[2 * from + 1];
+    return NPUC_OK;
+}
+
 /* ---- npuc_generate: runtime/scheduler.py's Scheduler, in C ----------------------------------- */
 
 typedef struct {
+    int64_t *out;       /* the sequence's tokens so far (its out_tokens, else the slot's own) */
     int32_t seq;        /* index in seqs, -1 free */
     int64_t pos;        /* the position the next fed token is written at */
     int32_t next;       /* the prompt's next token to feed */
@@ -302,10 +330,17 @@ static int is_eos(const npuc_generation_info *g, int64_t t) {
     return 0;
 }
 
-/* A token for sequence q: record it, call back, and say whether the sequence ends. */
-static int choose(const npuc_generation_info *g, npuc_sequence *q, int32_t qi, slot_state *st, int64_t token,
-                  npuc_token_callback cb, void *user) {
-    if (q->out_tokens != NULL && q->n_out < q->max_new_tokens) q->out_tokens[q->n_out] = token;
+/* The next token of sequence q from its logits row: the greedy one the step computed, or its
+ * own sampling's. Records it, calls back, and says whether the sequence ends. */
+static int choose(const npuc_generation_info *g, npuc_sequence *q, int32_t qi, slot_state *st, const float *row,
+                  int64_t greedy, void *work, size_t work_bytes, npuc_token_callback cb, void *user, npuc_error *err) {
+    int64_t token = greedy;
+    if (q->sampling != NULL) {
+        int rc = npuc_sample(row, g->vocab, q->sampling, q->prompt, q->prompt_len, st->out, q->n_out, work,
+                             work_bytes, &token, err);
+        if (rc) return rc;
+    }
+    if (q->n_out < q->max_new_tokens) st->out[q->n_out] = token;
     q->n_out++;
     int stop = cb != NULL ? cb(user, qi, token) : 0;
     if (is_eos(g, token) && !q->ignore_eos) q->finish_reason = NPUC_FINISH_STOP;
@@ -315,6 +350,13 @@ static int choose(const npuc_generation_info *g, npuc_sequence *q, int32_t qi, s
     else st->pending = token;
     if (q->finish_reason) st->seq = -1;
     return 0;
+}
+
+static int32_t longest_output(const npuc_sequence *seqs, int32_t n) {
+    int32_t most = 1;
+    for (int32_t q = 0; q < n; q++)
+        if (seqs[q].out_tokens == NULL && seqs[q].max_new_tokens > most) most = seqs[q].max_new_tokens;
+    return most;
 }
 
 int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
@@ -329,6 +371,10 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
         if (seqs[q].max_new_tokens < 1)
             return rt_fail(err, NPUC_E_PROMPT, "ask for at least one token", "max_new_tokens is %d",
                            (int)seqs[q].max_new_tokens);
+        if (seqs[q].sampling != NULL) {
+            rc = npuc_sampling_check(seqs[q].sampling, m->gen.vocab, err);
+            if (rc) return rc;
+        }
         seqs[q].n_out = 0, seqs[q].finish_reason = 0;
     }
     int32_t B = g->slots, C = g->decode_tokens;
@@ -338,8 +384,13 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
     int32_t *fed = calloc((size_t)B, sizeof(int32_t));
     float *row = malloc((size_t)(V * B) * sizeof(float));
     int64_t *next = calloc((size_t)B, sizeof(int64_t));
+    /* each slot's own record of its sequence's tokens, where the caller keeps none */
+    int32_t most = longest_output(seqs, n_seqs);
+    int64_t *outs = calloc((size_t)B * (size_t)most, sizeof(int64_t));
+    size_t work_bytes = npuc_sample_work_bytes(V);
+    void *work = malloc(work_bytes);
     int rc = 0;
-    if (sl == NULL || ids == NULL || fed == NULL || row == NULL || next == NULL)
+    if (sl == NULL || ids == NULL || fed == NULL || row == NULL || next == NULL || outs == NULL || work == NULL)
         rc = rt_fail(err, NPUC_E_ARG, "", "out of memory");
     int64_t *pos = ids + (int64_t)B * C;
     for (int32_t k = 0; k < B; k++) sl[k].seq = -1;
@@ -354,6 +405,7 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             slot_state *st = &sl[k];
             st->seq = queued++;
             st->pending = -1;
+            st->out = q->out_tokens != NULL ? q->out_tokens : outs + (size_t)k * (size_t)most;
             if (C > 1 && active) { /* slots are decoding: the prompt goes through decode steps (chunked prefill) */
                 st->pos = 0, st->next = 0;
                 active++;
@@ -364,7 +416,8 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             if (rc) break;
             st->pos = n, st->next = n;
             active++;
-            if (st->next == q->prompt_len) choose(g, q, st->seq, st, argmax(row, V), cb, user);
+            if (st->next == q->prompt_len)
+                rc = choose(g, q, st->seq, st, row, rt_argmax(row, V), work, work_bytes, cb, user, err);
         }
         if (rc) break;
         active = 0;
@@ -398,10 +451,10 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             st->next += from_prompt;
             if (fed[k] > from_prompt) st->pending = -1;
             st->pos += fed[k];
-            if (st->next == q->prompt_len && st->pending < 0)
-                choose(g, q, st->seq, st, next[k], cb, user);
+            if (st->next == q->prompt_len && st->pending < 0 && !rc)
+                rc = choose(g, q, st->seq, st, row + (size_t)k * (size_t)V, next[k], work, work_bytes, cb, user, err);
         }
     }
-    free(sl), free(ids), free(fed), free(row), free(next);
+    free(sl), free(ids), free(fed), free(row), free(next), free(outs), free(work);
     return rc;
 }

@@ -1169,3 +1169,5 @@ int npuc_session_output_view(npuc_session *s, int32_t program, int32_t index, co
 
 const npuc_model *rt_session_model(const npuc_session *s) { return s->m; }
 int64_t *rt_session_slot_track(npuc_session *s) { return s->track; }
+
+uint8_t *rt_session_state(npuc_session *s) { return s->state; }

@@ -112,6 +112,7 @@ int rt_session_set_input(struct npuc_session *s, int32_t program, int32_t i, con
 int rt_session_execute(struct npuc_session *s, int32_t program, npuc_error *err); /* the steps */
 const npuc_model *rt_session_model(const struct npuc_session *s);
 int64_t *rt_session_slot_track(struct npuc_session *s); /* [slots][2]: last token, position; -1 none */
+uint8_t *rt_session_state(struct npuc_session *s);     /* the state region (KV caches) */
 
 /* decode.c: m->gen, m->has_gen and m->eos from the programs and metadata (0 when the model
  * does not generate: has_gen stays 0). */

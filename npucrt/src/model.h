@@ -142,6 +142,9 @@ struct npuc_model {
     rt_pool pool;
 };
 
+/* The first index of the largest value (a NaN counts as the largest, as torch.argmax). */
+int64_t rt_argmax(const float *x, int64_t n);
+
 /* Fill `err` (may be NULL) and return `code`. printf-style message. */
 int rt_fail(npuc_error *err, int code, const char *hint, const char *fmt, ...)
 #if defined(__GNUC__)
