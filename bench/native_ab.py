@@ -364,17 +364,6 @@ def render(r: dict[str, Any], machine: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, section: str) -> None:
-    from run import NATIVE_BEGIN, NATIVE_END
-
-    text = doc.read_text() if doc.is_file() else ""
-    if NATIVE_BEGIN in text and NATIVE_END in text:
-        text = text[:text.index(NATIVE_BEGIN)] + section + text[text.index(NATIVE_END) + len(NATIVE_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True)
@@ -423,12 +412,9 @@ def main() -> None:
         Path(args.out).write_text(text + "\n")
     print(text)
     if args.doc:
-        import platform
+        from run import NATIVE_BEGIN, NATIVE_END, machine, write_section
 
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                   platform.processor())
-        write_section(Path(args.doc), render(report, f"{os.cpu_count()} cores ({cpu}), {time.strftime('%Y-%m-%d')}"))
-
+        write_section(Path(args.doc), NATIVE_BEGIN, NATIVE_END, render(report, f"{machine()}, {time.strftime('%Y-%m-%d')}"))
 
 if __name__ == "__main__":
     main()

@@ -455,16 +455,30 @@ def systems(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 NATIVE_BEGIN, NATIVE_END = "<!-- bench/native_ab.py -->", "<!-- /bench/native_ab.py -->"
+SAMPLING_BEGIN, SAMPLING_END = "<!-- bench/sampling_ab.py -->", "<!-- /bench/sampling_ab.py -->"
+# Sections other scripts write into the report, which this run does not measure: kept.
+KEPT_SECTIONS = ((NATIVE_BEGIN, NATIVE_END), (SAMPLING_BEGIN, SAMPLING_END))
 
 
-def keep_native_section(out: Path, text: str) -> str:
-    """The report with the section bench/native_ab.py wrote into the previous one (the native
-    runtime against the Python one), which this run does not measure, kept at its end."""
+def write_section(doc: Path, begin: str, end: str, section: str) -> None:
+    """Put `section` (which starts with begin and ends with end) in place of the report's one."""
+    text = doc.read_text() if doc.is_file() else ""
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text)
+
+
+def keep_sections(out: Path, text: str) -> str:
+    """The report with the sections other scripts wrote into the previous one (bench/native_ab.py:
+    the native runtime against the Python one; bench/sampling_ab.py: sampling and structured
+    output against greedy), which this run does not measure, kept at its end."""
     old = out.read_text() if out.is_file() else ""
-    if NATIVE_BEGIN not in old or NATIVE_END not in old:
-        return text
-    section = old[old.index(NATIVE_BEGIN):old.index(NATIVE_END) + len(NATIVE_END)]
-    return text.rstrip("\n") + "\n\n" + section + "\n"
+    for begin, end in KEPT_SECTIONS:
+        if begin in old and end in old:
+            text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
+    return text
 
 
 def render(res: dict[str, Any]) -> str:
@@ -839,7 +853,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out) if args.out else (work / "benchmarks.md" if args.quick else ROOT / "docs/benchmarks.md")
     res["plot"] = plot(res, out.parent / "bench-decode.png")
-    out.write_text(keep_native_section(out, render(res)))
+    out.write_text(keep_sections(out, render(res)))
     (out.parent / (out.stem + ".json")).write_text(json.dumps(
         {k: (v.__dict__ if isinstance(v, Sizes) else v) for k, v in res.items()}, indent=2, sort_keys=True))
     print(f"[bench] wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)

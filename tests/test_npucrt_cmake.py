@@ -232,6 +232,27 @@ def test_cli_generate_several_prompts_prints_npucs_json_lines(runtime: Runtime, 
     assert r.stdout == npuc("generate", tiny_om, *args)
 
 
+def test_cli_generate_samples_as_npuc_generate(runtime: Runtime, tiny_om: Path) -> None:
+    """--temperature and the filters: the C command's decode loop samples (npuc_sequence.sampling)
+    the tokens npuc generate's scheduler does, prompt i with seed S + i."""
+    from click.testing import CliRunner
+
+    from npuc.cli.main import main
+
+    args = ["--prompt-ids", "1,15,27,300,42", "--prompt-ids", "3 4", "--max-new-tokens", "8", "--ignore-eos",
+            "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50", "--repetition-penalty", "1.1", "--seed", "5"]
+    r = npucrt(runtime, "generate", tiny_om, *args)
+    assert r.returncode == 0, r.stderr
+    py = CliRunner().invoke(main, ["generate", os.fspath(tiny_om), *args])  # sampling needs the library: native
+    assert py.exit_code == 0, py.output
+    assert r.stdout == py.stdout
+    assert r.stdout != npucrt(runtime, "generate", tiny_om, *args[:7]).stdout  # not the greedy tokens
+    bad = npucrt(runtime, "generate", tiny_om, "--prompt-ids", "1", "--top-p", "2")
+    assert bad.returncode == 2 and "NPUC-E0160: top_p is 2" in bad.stderr
+    bad = npucrt(runtime, "generate", tiny_om, "--prompt-ids", "1", "--temperature=hot")
+    assert bad.returncode == 2 and "NPUC-E0100" in bad.stderr
+
+
 def test_cli_info(runtime: Runtime, tiny_om: Path) -> None:
     r = npucrt(runtime, "info", tiny_om)
     assert r.returncode == 0, r.stderr

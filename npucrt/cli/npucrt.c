@@ -3,7 +3,8 @@
  *   npucrt info MODEL.om
  *   npucrt run MODEL.om [--program NAME] --input NAME=FILE.npy ... [--output-dir DIR] [--threads T]
  *   npucrt generate MODEL.om --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N] [--ignore-eos]
- *                  [--threads T] [--timing]
+ *                  [--threads T] [--timing] [--temperature F --top-p F --top-k N --min-p F --seed N
+ *                  --repetition-penalty F --presence-penalty F --frequency-penalty F]
  *
  * Built on include/npucrt.h only: it doubles as an example of the API. Its output and its
  * errors are `npuc`'s (cli/main.py): `generate` prints the same tokens in the same form, and a
@@ -140,6 +141,21 @@ static int parse_int(const char *s, long long lo, long long hi, long long *out) 
         return -1;
     }
     *out = v;
+    return 0;
+}
+
+/* A finite decimal number (strtod's syntax, the whole string); 0 if `s` is one. */
+static int parse_float(const char *s, float *out) {
+    if (s[0] == '\0' || s[0] == ' ' || s[0] == '\t') {
+        return -1;
+    }
+    errno = 0;
+    char *end;
+    double v = strtod(s, &end);
+    if (errno != 0 || *end != '\0' || !isfinite(v)) {
+        return -1;
+    }
+    *out = (float)v;
     return 0;
 }
 
@@ -1023,13 +1039,15 @@ static int parse_ids(const char *text, int64_t **out, int32_t *n_out) {
 }
 
 static int cmd_generate(const char *path, const char *const *prompts, int n_prompts, int32_t max_new,
-                        int ignore_eos, int threads, int timing, int verify, double t_start) {
+                        int ignore_eos, int threads, int timing, int verify, const npuc_sampling *sampling,
+                        double t_start) {
     npuc_model *m = NULL;
     npuc_session *s = NULL;
     npuc_sequence *seqs = calloc((size_t)n_prompts, sizeof *seqs);
     token_list *lists = calloc((size_t)n_prompts, sizeof *lists);
+    npuc_sampling *each = sampling ? calloc((size_t)n_prompts, sizeof *each) : NULL;
     int rc = 0;
-    if (seqs == NULL || lists == NULL) {
+    if (seqs == NULL || lists == NULL || (sampling && each == NULL)) {
         rc = report(NPUC_E_ARG, NULL, "out of memory");
         goto done;
     }
@@ -1043,6 +1061,11 @@ static int cmd_generate(const char *path, const char *const *prompts, int n_prom
         seqs[i].prompt_len = n;
         seqs[i].max_new_tokens = max_new;
         seqs[i].ignore_eos = ignore_eos;
+        if (sampling) { /* prompt i draws with seed S + i, as npuc generate */
+            each[i] = *sampling;
+            each[i].seed = sampling->seed + (uint64_t)i;
+            seqs[i].sampling = &each[i];
+        }
     }
     double t_load = now_s();
     if ((rc = load_model(path, verify, &m)) != 0 || (rc = make_session(m, threads, &s)) != 0) {
@@ -1099,6 +1122,7 @@ done:
     }
     free(seqs);
     free(lists);
+    free(each);
     npuc_session_free(s);
     npuc_model_free(m);
     return rc;
@@ -1115,7 +1139,10 @@ static const char USAGE[] =
     "      run one program on .npy inputs; writes DIR/<output>.npy\n"
     "  npucrt generate MODEL.om --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N]\n"
     "                  [--ignore-eos] [--threads T] [--timing] [--no-verify]\n"
-    "      greedy decoding; one prompt: its new token ids on one line, as they come;\n"
+    "                  [--temperature F] [--top-p F] [--top-k N] [--min-p F] [--seed N]\n"
+    "                  [--repetition-penalty F] [--presence-penalty F] [--frequency-penalty F]\n"
+    "      greedy decoding, or sampled (--temperature above 0; prompt i draws with seed N + i);\n"
+    "      one prompt: its new token ids on one line, as they come;\n"
     "      several: one JSON line each, {\"index\", \"token_ids\"}, in order\n";
 
 /* Whether `a` is `flag` or `flag=...`, spelled with - or _ after its dashes (npuc takes both):
@@ -1149,6 +1176,22 @@ static int flag_value(int argc, char **argv, int *i, const char *flag, const cha
     return 1;
 }
 
+/* One of the number flags: 1 with its field set, -1 where its value is missing or not a
+ * finite number (*value: the offending text), 0 when `argv[*i]` is none of them. */
+static int float_flag(int argc, char **argv, int *i, const char *const *flags, float *const *fields, int n,
+                      const char **value) {
+    for (int k = 0; k < n; k++) {
+        int r = flag_value(argc, argv, i, flags[k], value);
+        if (r > 0 && parse_float(*value, fields[k]) != 0) {
+            return -1;
+        }
+        if (r != 0) {
+            return r;
+        }
+    }
+    return 0;
+}
+
 static int is_flag(const char *a, const char *flag) {
     size_t n = flag_match(a, flag);
     return n > 0 && a[n] == '\0';
@@ -1176,8 +1219,15 @@ int main(int argc, char **argv) {
     const char *model = NULL, *program = NULL, *output_dir = NULL, *value = NULL;
     input_arg *inputs = calloc((size_t)argc, sizeof *inputs);
     const char **prompts = calloc((size_t)argc, sizeof *prompts);
-    int n_inputs = 0, n_prompts = 0, ignore_eos = 0, timing = 0, verify = 1, rc = 0, r;
-    long long threads = 0, max_new = 32;
+    int n_inputs = 0, n_prompts = 0, ignore_eos = 0, timing = 0, verify = 1, sampled = 0, rc = 0, r;
+    long long threads = 0, max_new = 32, number = 0;
+    npuc_sampling sampling;
+    npuc_sampling_default(&sampling);
+    static const char *const float_flags[] = {"--temperature", "--top-p", "--min-p", "--repetition-penalty",
+                                              "--presence-penalty", "--frequency-penalty"};
+    float *const float_fields[] = {&sampling.temperature, &sampling.top_p, &sampling.min_p,
+                                   &sampling.repetition_penalty, &sampling.presence_penalty,
+                                   &sampling.frequency_penalty};
     int is_run = strcmp(cmd, "run") == 0, is_gen = strcmp(cmd, "generate") == 0;
     if (inputs == NULL || prompts == NULL) {
         rc = report(NPUC_E_ARG, NULL, "out of memory");
@@ -1239,6 +1289,24 @@ int main(int argc, char **argv) {
                            : usage_error(cmd, "--max-new-tokens takes an integer of at least 1, not '%s'", value);
                 goto out;
             }
+        } else if (is_gen && (r = float_flag(argc, argv, &i, float_flags, float_fields, 6, &value)) != 0) {
+            if (r < 0) {
+                rc = usage_error(cmd, "%s needs a finite number", a);
+                goto out;
+            }
+            sampled = 1;
+        } else if (is_gen && (r = flag_value(argc, argv, &i, "--top-k", &value)) != 0) {
+            if (r < 0 || parse_int(value, 0, INT32_MAX, &number) != 0) {
+                rc = usage_error(cmd, "--top-k takes an integer of at least 0, not '%s'", r < 0 ? "" : value);
+                goto out;
+            }
+            sampling.top_k = (int32_t)number, sampled = 1;
+        } else if (is_gen && (r = flag_value(argc, argv, &i, "--seed", &value)) != 0) {
+            if (r < 0 || parse_int(value, 0, LLONG_MAX, &number) != 0) {
+                rc = usage_error(cmd, "--seed takes an integer of at least 0, not '%s'", r < 0 ? "" : value);
+                goto out;
+            }
+            sampling.seed = (uint64_t)number, sampled = 1;
         } else if (is_gen && is_flag(a, "--ignore-eos")) {
             ignore_eos = 1;
         } else if (is_gen && is_flag(a, "--timing")) {
@@ -1267,9 +1335,14 @@ int main(int argc, char **argv) {
         rc = report(NPUC_E_PROMPT, "npucrt generate model.om --prompt-ids 1,2,3 --max-new-tokens 32",
                     "no prompt: give --prompt-ids");
     } else {
+        npuc_error err = {0};
+        if (sampled && (r = npuc_sampling_check(&sampling, INT64_MAX, &err)) != 0) { /* before the load */
+            rc = report_lib(r, &err, "checking the sampling flags");
+            goto out;
+        }
         /* More than INT32_MAX new tokens is "until the cache is full" all the same. */
         rc = cmd_generate(model, prompts, n_prompts, max_new > INT32_MAX ? INT32_MAX : (int32_t)max_new,
-                          ignore_eos, (int)threads, timing, verify, t_start);
+                          ignore_eos, (int)threads, timing, verify, sampled ? &sampling : NULL, t_start);
     }
 out:
     for (int k = 0; inputs && k < n_inputs; k++) {

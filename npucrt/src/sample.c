@@ -21,15 +21,22 @@
  * logits and its seed, not on the slot it runs in, the requests beside it or the thread
  * that samples it. No state lives between calls.
  *
- * top_k and top_p need the most likely ids in order, but not a sort of the whole vocabulary:
- * only the ids whose probability is at least a bound are sorted, the bound lowered until
- * those ids hold everything the filters keep (top_k of them, or top_p of the mass).
+ * top_k and top_p need the most likely ids, not a sort: only the ids whose probability is at
+ * least a bound are candidates (the bound lowered until they hold everything the filters
+ * keep: top_k of them, or top_p of the mass); a radix selection (one counting pass over the
+ * candidates, bucketed by their probability's top bits) and a quickselect-style partition of
+ * the one bucket the boundary falls in leave the first k, then the first ones reaching
+ * top_p's mass, at the front. The
+ * partitions are deterministic, so the kept set and the order the draw walks it in are
+ * functions of the row alone. The exponentials are SIMD where the host has AVX2, so a draw
+ * is reproducible on one host (and one build of the library), not across instruction sets.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "model.h"
+#include "simd.h"
 
 void npuc_sampling_default(npuc_sampling *p) {
     if (p == NULL) return;
@@ -79,9 +86,10 @@ int npuc_sampling_check(const npuc_sampling *p, int64_t vocab, npuc_error *err) 
     return NPUC_OK;
 }
 
+/* lg (a float a token), two candidate arrays (float + int32 each) and a byte a token. */
 size_t npuc_sample_work_bytes(int64_t vocab) {
     if (vocab <= 0) return 0;
-    return (size_t)vocab * (sizeof(float) * 2 + sizeof(int32_t) + 1);
+    return (size_t)vocab * (sizeof(float) + 2 * (sizeof(float) + sizeof(int32_t)) + 1);
 }
 
 /* splitmix64's finaliser: a 64-bit hash good enough to stand for a random stream. */
@@ -111,11 +119,219 @@ typedef struct {
     int32_t id;
 } cand;
 
-/* Sort order of candidates: probability descending, then id ascending. */
-static int by_prob(const void *a, const void *b) {
-    const cand *x = a, *y = b;
-    if (x->p != y->p) return x->p > y->p ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
+/* The order of candidates: probability descending, then id ascending (a total order). */
+static int before(cand a, cand b) { return a.p > b.p || (a.p == b.p && a.id < b.id); }
+
+static void swap_cand(cand *a, cand *b) {
+    cand t = *a;
+    *a = *b, *b = t;
+}
+
+/* Partition [lo, hi) around a median-of-three pivot: the ones before it, then it (returned
+ * index), then the ones after it. Deterministic: the result is a function of the input. */
+static int64_t partition(cand *c, int64_t lo, int64_t hi) {
+    int64_t mid = lo + (hi - lo) / 2, last = hi - 1;
+    if (before(c[mid], c[lo])) swap_cand(&c[mid], &c[lo]);
+    if (before(c[last], c[lo])) swap_cand(&c[last], &c[lo]);
+    if (before(c[mid], c[last])) swap_cand(&c[mid], &c[last]); /* the median is at last now */
+    int64_t i = lo;
+    for (int64_t j = lo; j < last; j++)
+        if (before(c[j], c[last])) swap_cand(&c[i++], &c[j]);
+    swap_cand(&c[i], &c[last]);
+    return i;
+}
+
+/* Leave the first k in the order in c[0, k) (in no particular order among themselves). */
+static void select_first(cand *c, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+        int64_t q = partition(c, lo, hi);
+        if (q == k || q == k - 1) return;
+        if (q < k) lo = q + 1;
+        else hi = q;
+    }
+}
+
+/* top_p: the smallest first-in-order set whose mass reaches lim (an id is kept while the mass
+ * before it is below lim), left in c[0, m); returns m (at least 1). Expected O(n). */
+static int64_t select_mass(cand *c, int64_t n, double lim) {
+    int64_t lo = 0, hi = n;
+    double acc = 0.0; /* the mass of c[0, lo): all before c[lo, hi) */
+    while (hi > lo) {
+        if (hi - lo == 1) return lo + 1;
+        int64_t q = partition(c, lo, hi);
+        double left = 0.0;
+        for (int64_t i = lo; i < q; i++) left += c[i].p;
+        if (acc + left >= lim) hi = q; /* the last kept one is before the pivot */
+        else if (acc + left + c[q].p >= lim) return q + 1;
+        else acc += left + c[q].p, lo = q + 1;
+    }
+    return lo > 0 ? lo : 1; /* rounding left the mass short of lim: everything up to here */
+}
+
+/* Radix selection: candidates bucketed by bits of their probability (a positive float's bits
+ * order as it does), a counting pass a level: the top 11 bits (exponent and 3 mantissa bits,
+ * 1/8 of an octave a bucket), then, where the boundary bucket is crowded (a flat
+ * distribution), its next 11 bits. Only the final bucket the boundary falls in is
+ * partitioned. */
+enum { RADIX_BUCKETS = 2048, RADIX_CROWDED = 32 };
+
+/* One level over c[0, n) on (bits >> shift) % RADIX_BUCKETS: the bucket where the count
+ * reaches k (by_mass 0) or the mass reaches lim (by_mass 1). Writes into out the candidates
+ * of the buckets above it (*above of them, *acc their mass), in array order, then its own
+ * (*n_b). -1 where the mass falls short of lim (rounding). */
+static int radix_level(const cand *c, int64_t n, int shift, int by_mass, int64_t k, double lim, cand *out,
+                       int64_t *above, int64_t *n_b, double *acc) {
+    /* two histograms, even and odd entries: a flat distribution puts runs of entries in one
+     * bucket, and one histogram would chain every add on the one before */
+    int32_t count2[2][RADIX_BUCKETS] = {{0}};
+    double mass2[2][RADIX_BUCKETS] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &c[i].p, sizeof u);
+        uint32_t key = (u >> shift) & (RADIX_BUCKETS - 1);
+        count2[i & 1][key]++;
+        if (by_mass) mass2[i & 1][key] += c[i].p;
+    }
+    int64_t count[RADIX_BUCKETS];
+    double mass[RADIX_BUCKETS];
+    for (int b = 0; b < RADIX_BUCKETS; b++)
+        count[b] = (int64_t)count2[0][b] + count2[1][b], mass[b] = mass2[0][b] + mass2[1][b];
+    int64_t up = 0;
+    double m = 0.0;
+    int b = RADIX_BUCKETS - 1;
+    for (; b >= 0; b--) {
+        if (by_mass ? m + mass[b] >= lim : up + count[b] >= k) break;
+        up += count[b], m += mass[b];
+    }
+    if (b < 0) return -1;
+    int64_t i_up = 0, i_b = up;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &c[i].p, sizeof u);
+        int key = (int)((u >> shift) & (RADIX_BUCKETS - 1));
+        if (key > b) out[i_up++] = c[i];
+        else if (key == b) out[i_b++] = c[i];
+    }
+    *above = up, *n_b = count[b], *acc = m;
+    return 0;
+}
+
+/* top_k: the first k (< n) in the order, left in c[0, k). tmp: n entries of scratch. */
+static void radix_first(cand *c, int64_t n, int64_t k, cand *tmp) {
+    int64_t above, nb, above2, nb2;
+    double acc;
+    radix_level(c, n, 20, 0, k, 0.0, tmp, &above, &nb, &acc); /* tmp: [above | boundary bucket] */
+    if (nb > RADIX_CROWDED) {
+        radix_level(tmp + above, nb, 9, 0, k - above, 0.0, c + above, &above2, &nb2, &acc);
+        memcpy(c, tmp, (size_t)above * sizeof *c);
+        select_first(c + above + above2, nb2, k - above - above2);
+        return;
+    }
+    select_first(tmp + above, nb, k - above);
+    memcpy(c, tmp, (size_t)k * sizeof *c);
+}
+
+/* top_p: the smallest first-in-order set whose mass reaches lim, left in c[0, m); returns m. */
+static int64_t radix_mass(cand *c, int64_t n, double lim, cand *tmp) {
+    int64_t above, nb, above2, nb2;
+    double acc, acc2;
+    if (radix_level(c, n, 20, 1, 0, lim, tmp, &above, &nb, &acc)) return n; /* short by rounding: all */
+    if (nb > RADIX_CROWDED) {
+        if (radix_level(tmp + above, nb, 9, 1, 0, lim - acc, c + above, &above2, &nb2, &acc2)) {
+            memcpy(c, tmp, (size_t)(above + nb) * sizeof *c);
+            return above + nb;
+        }
+        memcpy(c, tmp, (size_t)above * sizeof *c);
+        return above + above2 + select_mass(c + above + above2, nb2, lim - acc - acc2);
+    }
+    int64_t m = above + select_mass(tmp + above, nb, lim - acc);
+    memcpy(c, tmp, (size_t)m * sizeof *c);
+    return m;
+}
+
+/* The largest value, NaN ignored (-inf where every value is NaN or -inf). */
+static float max_of(const float *x, int64_t n) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + i), acc); /* a NaN lane keeps acc */
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++)
+        if (lanes[l] > mx) mx = lanes[l];
+#endif
+    for (; i < n; i++)
+        if (x[i] > mx) mx = x[i];
+    return mx;
+}
+
+/* The sum of 16 floats (non-negative probabilities), as a float. */
+static float sum16(const float *x) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return npuc_hsum8(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)));
+#else
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += x[l];
+    return s;
+#endif
+}
+
+/* x's sum, by chunks of 16 added in double. */
+static double sum_of(const float *x, int64_t n) {
+    double acc = 0.0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += sum16(x + i);
+    for (; i < n; i++) acc += x[i];
+    return acc;
+}
+
+/* The first index where the running sum of x exceeds target, skipping whole chunks of 16
+ * (one dependent add each, not 16); where rounding leaves the sum short of target, the last
+ * positive entry; -1 if none. */
+static int64_t walk(const float *x, int64_t n, double target) {
+    double acc = 0.0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        double s = sum16(x + i);
+        if (acc + s > target) break;
+        acc += s;
+    }
+    for (; i < n; i++) {
+        acc += x[i];
+        if (acc > target) return i;
+    }
+    for (int64_t j = n - 1; j >= 0; j--)
+        if (x[j] > 0.0f) return j;
+    return -1;
+}
+
+/* lg[i] = exp((lg[i] - mx) / T): probabilities relative to the largest; returns their sum. A
+ * NaN logit counts 0. */
+static double relative_softmax(float *lg, int64_t V, float mx, float inv_t) {
+    double total = 0.0;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_t);
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    for (; i + 8 <= V; i += 8) {
+        __m256 e = npuc_exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(lg + i), vmx), vt));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(e, e, _CMP_ORD_Q)); /* NaN -> 0 */
+        _mm256_storeu_ps(lg + i, e);
+        acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double part[4];
+    _mm256_storeu_pd(part, _mm256_add_pd(acc0, acc1));
+    total = part[0] + part[1] + part[2] + part[3];
+#endif
+    for (; i < V; i++) {
+        float e = expf((lg[i] - mx) * inv_t);
+        if (isnan(e)) e = 0.0f;
+        lg[i] = e, total += e;
+    }
+    return total;
 }
 
 /* Steps 1 and 2 above, in place. seen: vocab bytes of scratch. */
@@ -193,7 +409,8 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, cons
     const int64_t V = vocab;
     float *lg = work;
     cand *cs = (cand *)(lg + V); /* V entries: float + int32 each */
-    unsigned char *seen = (unsigned char *)(cs + V);
+    cand *tmp = cs + V;          /* V more: the radix selections' scratch */
+    unsigned char *seen = (unsigned char *)(tmp + V);
     memcpy(lg, logits, (size_t)V * sizeof *lg);
     process(lg, V, p, prompt, n_prompt, out, n_out, seen);
     const float inv_t = p->temperature > 0.0f ? 1.0f / p->temperature : 0.0f;
@@ -202,34 +419,20 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, cons
         return NPUC_OK;
     }
     /* softmax(lg / T), unnormalised: probabilities relative to the largest (which is 1) */
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < V; i++)
-        if (lg[i] > mx) mx = lg[i];
+    const float mx = max_of(lg, V);
     if (!(mx > -INFINITY) || isnan(mx)) { /* nothing allowed, or NaN logits: the greedy answer */
         *token = rt_argmax(lg, V);
         return NPUC_OK;
     }
-    double total = 0.0;
-    for (int64_t i = 0; i < V; i++) {
-        float e = expf((lg[i] - mx) * inv_t);
-        if (isnan(e)) e = 0.0f;
-        lg[i] = e, total += e;
-    }
+    const double total = relative_softmax(lg, V, mx, inv_t);
     const double u = npuc_sample_uniform(p->seed, n_out);
     const int64_t k = p->top_k > 0 && p->top_k < V ? p->top_k : 0;
     const float floor_p = p->min_p > 0.0f ? p->min_p : 0.0f; /* relative to the largest, which is 1 */
     if (k == 0 && p->top_p >= 1.0f) { /* no ordering needed: walk the ids in order */
-        double kept = 0.0;
-        for (int64_t i = 0; i < V; i++)
-            if (lg[i] > 0.0f && lg[i] >= floor_p) kept += lg[i];
-        double target = u * kept, acc = 0.0;
-        int64_t last = -1;
-        for (int64_t i = 0; i < V; i++) {
-            if (!(lg[i] > 0.0f && lg[i] >= floor_p)) continue;
-            acc += lg[i], last = i;
-            if (acc > target) break;
-        }
-        *token = last >= 0 ? last : rt_argmax(logits, V);
+        if (floor_p > 0.0f)
+            for (int64_t i = 0; i < V; i++) lg[i] = lg[i] >= floor_p ? lg[i] : 0.0f;
+        int64_t at = walk(lg, V, u * sum_of(lg, V));
+        *token = at >= 0 ? at : rt_argmax(logits, V);
         return NPUC_OK;
     }
     /* The candidates: every id at or above a bound, lowered until they hold what is kept. */
@@ -246,29 +449,19 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, cons
         /* with top_k off, ids below min_p's floor are dropped whatever top_p says */
         if (enough || bound == 0.0f || (!k && bound <= floor_p)) break;
     }
-    qsort(cs, (size_t)n, sizeof *cs, by_prob);
-    int64_t m = k && k < n ? k : n; /* top_k */
+    /* top_k: the k first in the order, [0, m) after a selection (not a sort: O(n)) */
+    int64_t m = n;
+    if (k && k < n) radix_first(cs, n, k, tmp), m = k;
     double mass_k = 0.0;
     for (int64_t i = 0; i < m; i++) mass_k += cs[i].p;
     if (!k) mass_k = total; /* top_p is of the whole distribution when top_k is off */
-    if (p->top_p < 1.0f) { /* keep an id while the mass before it is below top_p */
-        double before = 0.0, lim = (double)p->top_p * mass_k;
-        int64_t j = 0;
-        while (j < m && (j == 0 || before < lim)) before += cs[j].p, j++;
-        m = j;
-    }
-    while (m > 1 && cs[m - 1].p < floor_p) m--; /* min_p: sorted, so the dropped ones are last */
-    double kept = 0.0;
-    for (int64_t i = 0; i < m; i++) kept += cs[i].p;
-    double target = u * kept, acc = 0.0;
-    int64_t pick = m > 0 ? cs[m - 1].id : rt_argmax(logits, V);
-    for (int64_t i = 0; i < m; i++) {
-        acc += cs[i].p;
-        if (acc > target) {
-            pick = cs[i].id;
-            break;
-        }
-    }
-    *token = pick;
+    if (p->top_p < 1.0f) m = radix_mass(cs, m, (double)p->top_p * mass_k, tmp);
+    int64_t j = 0; /* min_p */
+    for (int64_t i = 0; i < m; i++)
+        if (cs[i].p >= floor_p) cs[j++] = cs[i];
+    m = j;
+    for (int64_t i = 0; i < m; i++) lg[i] = cs[i].p; /* the kept ones, in the order the selections left them */
+    int64_t at = walk(lg, m, u * sum_of(lg, m));
+    *token = at >= 0 ? cs[at].id : rt_argmax(logits, V);
     return NPUC_OK;
 }
