@@ -75,6 +75,14 @@ def _library() -> Any:
     return runtime_library()
 
 
+def host_row(row: Any) -> np.ndarray:
+    """A logits row as contiguous float32 numpy on the host: the C executor's arena view as
+    it is, or the reference interpreter's torch tensor (a GPU's copied over: vocab x 4 bytes)."""
+    if hasattr(row, "detach"):
+        row = row.detach().float().cpu().numpy()
+    return np.ascontiguousarray(row, dtype=np.float32)
+
+
 def _field_error(message: str, hint: str) -> NpucError:
     return NpucError(E_SAMPLING, message, hint, exit_code=EXIT_USAGE)
 
@@ -140,7 +148,7 @@ class TokenChooser:
     def processed(self, row: Any) -> Any:
         """The row after logit_bias, the banned ids and the penalties, at this point of the
         output (npuc_sampling_process): what temperature and the filters then read."""
-        x = np.ascontiguousarray(np.asarray(row, dtype=np.float32))
+        x = host_row(row)
         if self._lib is None:
             return x.copy()
         out = np.empty_like(x)
@@ -153,11 +161,12 @@ class TokenChooser:
         return out
 
     def __call__(self, row: Any) -> int:
-        """The next token from this row of logits (numpy or a CPU torch tensor; not modified)."""
+        """The next token from this row of logits (numpy, or a torch tensor on any device; not
+        modified)."""
         if self._lib is None:
             token = int(row.argmax())
         else:
-            x = np.ascontiguousarray(np.asarray(row, dtype=np.float32))
+            x = host_row(row)
             c = self._c
             c.n_banned = len(self._banned) if self.n_out < self.params.min_tokens else 0
             if self.matcher is not None:  # the ids the grammar allows next
@@ -182,7 +191,7 @@ def token_logprobs(row: Any, token: int, top: int) -> tuple[float, tuple[tuple[i
     """`token`'s log-probability in this row of logits (the model's log-softmax, before any
     sampling transform) and the `top` most likely ids with theirs, most likely first (ties:
     the lower id)."""
-    x = np.asarray(row, dtype=np.float64)
+    x = host_row(row).astype(np.float64)
     m = x.max()
     lse = m + np.log(np.exp(x - m).sum())
     best: tuple[tuple[int, float], ...] = ()
