@@ -26,9 +26,8 @@
  * keep: top_k of them, or top_p of the mass); a radix selection (one counting pass over the
  * candidates, bucketed by their probability's top bits) and a quickselect-style partition of
  * the one bucket the boundary falls in leave the first k, then the first ones reaching
- * top_p's mass, at the front. The
- * partitions are deterministic, so the kept set and the order the draw walks it in are
- * functions of the row alone. The exponentials are SIMD where the host has AVX2, so a draw
+ * top_p's mass, at the front. The partitions are deterministic, so the kept set and the
+ * order the draw walks it in are functions of the row alone. The exponentials are SIMD where the host has AVX2, so a draw
  * is reproducible on one host (and one build of the library), not across instruction sets.
  */
 #include <math.h>
