@@ -109,7 +109,6 @@ class TokenChooser:
                  eos: Sequence[int] | frozenset[int], matcher: Any = None) -> None:
         self.params = params
         self.matcher = matcher  # apps/structured.Matcher where params.grammar is set
-        self.width = 0
         self.n_out = 0
         self._out = np.zeros(max(max_new_tokens, 1), dtype=np.int64)
         if params.plain:
@@ -141,9 +140,14 @@ class TokenChooser:
         rc = lib.npuc_sampling_check(ctypes.byref(c), vocab, ctypes.byref(self._err))
         if rc:
             _raise(self._err, rc)
-        self._work = np.empty(lib.npuc_sample_work_bytes(vocab), dtype=np.uint8)
+        self._work: np.ndarray | None = None  # npuc_sample's, on the first draw (check() makes none)
         self._token = ctypes.c_int64()
         self.vocab = vocab
+
+    def _arm(self) -> Any:
+        """The npuc_sampling for the next token: min_tokens' ban while it lasts."""
+        self._c.n_banned = len(self._banned) if self.n_out < self.params.min_tokens else 0
+        return self._c
 
     def processed(self, row: Any) -> Any:
         """The row after logit_bias, the banned ids and the penalties, at this point of the
@@ -152,8 +156,7 @@ class TokenChooser:
         if self._lib is None:
             return x.copy()
         out = np.empty_like(x)
-        self._c.n_banned = len(self._banned) if self.n_out < self.params.min_tokens else 0
-        rc = self._lib.npuc_sampling_process(x.ctypes.data, min(self.vocab, x.shape[-1]), ctypes.byref(self._c),
+        rc = self._lib.npuc_sampling_process(x.ctypes.data, min(self.vocab, x.shape[-1]), ctypes.byref(self._arm()),
                                              self._prompt.ctypes.data, len(self._prompt), self._out.ctypes.data,
                                              self.n_out, out.ctypes.data, ctypes.byref(self._err))
         if rc:
@@ -167,8 +170,9 @@ class TokenChooser:
             token = int(row.argmax())
         else:
             x = host_row(row)
-            c = self._c
-            c.n_banned = len(self._banned) if self.n_out < self.params.min_tokens else 0
+            c = self._arm()
+            if self._work is None:
+                self._work = np.empty(self._lib.npuc_sample_work_bytes(self.vocab), dtype=np.uint8)
             if self.matcher is not None:  # the ids the grammar allows next
                 mask = self.matcher.fill()
                 c.n_allowed_words, c.allowed = len(mask), mask.ctypes.data

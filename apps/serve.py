@@ -253,6 +253,11 @@ def _int(body: dict[str, Any], name: str, default: int) -> int:
     return v
 
 
+def _refused(e: NpucError, param: str) -> RequestError:
+    """A check's NpucError (a sampling value, a grammar, a tool's schema) as the 400 naming `param`."""
+    return RequestError(f"{e.message} ({e.hint})", param)
+
+
 def _number(body: dict[str, Any], name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
@@ -292,7 +297,7 @@ def _sampling(body: dict[str, Any], vocab: int) -> SamplingParams:
     try:
         check_sampling(params, vocab)
     except NpucError as e:
-        raise RequestError(f"{e.message} ({e.hint})", e.message.split()[0]) from None
+        raise _refused(e, e.message.split()[0]) from None
     return params
 
 
@@ -424,7 +429,7 @@ class App:
             grammar = grammar_for(kind, spec)
             self.engine.sched.grammar_tokenizer().check(grammar)
         except NpucError as e:
-            raise RequestError(f"{e.message} ({e.hint})", field_name) from None
+            raise _refused(e, field_name) from None
         return grammar
 
     def _n(self, body: dict[str, Any]) -> int:
@@ -510,7 +515,7 @@ class App:
                     grammar = grammar_for("lark", forced)
                     self.engine.sched.grammar_tokenizer().check(grammar)
                 except NpucError as e:
-                    raise RequestError(f"{e.message} ({e.hint})", "tools") from None
+                    raise _refused(e, "tools") from None
         sampling = replace(_sampling(body, self.info.vocab), grammar=grammar)
         return Parsed(list(ids), max_tokens, stream, ignore, str(body.get("model") or self.model_name), sampling,
                       self._stops(body), (top or 0) if logprobs else -1, False, self._n(body), fmt)

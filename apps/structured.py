@@ -107,12 +107,3 @@ class Matcher:
 
     def consume(self, token: int) -> None:
         self._m.consume_token(token)
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete (or the matcher failed): only an end id is allowed now."""
-        return bool(self._m.is_stopped())
-
-    @property
-    def error(self) -> str | None:
-        return str(self._m.get_error()) if self._m.is_error() else None

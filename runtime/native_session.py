@@ -52,6 +52,15 @@ class _GenInfo(ctypes.Structure):
                 ("n_eos", ctypes.c_int32), ("eos", ctypes.POINTER(ctypes.c_int64))]
 
 
+class _Sequence(ctypes.Structure):
+    """npuc_sequence (npuc_generate's), its sampling a pointer to an npuc_sampling (NULL: greedy)."""
+
+    _fields_ = [("prompt", ctypes.POINTER(ctypes.c_int64)), ("prompt_len", ctypes.c_int32),
+                ("max_new_tokens", ctypes.c_int32), ("ignore_eos", ctypes.c_int32),
+                ("out_tokens", ctypes.POINTER(ctypes.c_int64)), ("n_out", ctypes.c_int32),
+                ("finish_reason", ctypes.c_int32), ("sampling", ctypes.c_void_p)]
+
+
 # Exit codes by family, as errors.py's callers give them.
 def _exit_code(code: int) -> int:
     return EXIT_USAGE if 100 <= code < 200 else EXIT_IO

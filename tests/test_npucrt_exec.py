@@ -97,11 +97,7 @@ def _c_generate(om: Path, prompts: list[list[int]], limits: list[int]) -> list[l
     """The C API's own decode loop (npuc_generate), called as a C program would."""
     s = NativeSession(str(om))
 
-    class Seq(ctypes.Structure):
-        _fields_ = [("prompt", ctypes.POINTER(ctypes.c_int64)), ("prompt_len", ctypes.c_int32),
-                    ("max_new_tokens", ctypes.c_int32), ("ignore_eos", ctypes.c_int32),
-                    ("out_tokens", ctypes.POINTER(ctypes.c_int64)), ("n_out", ctypes.c_int32),
-                    ("finish_reason", ctypes.c_int32), ("sampling", ctypes.c_void_p)]  # NULL: greedy
+    from npuc.runtime.native_session import _Sequence as Seq
 
     keep = []
     seqs = (Seq * len(prompts))()

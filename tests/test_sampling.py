@@ -203,14 +203,8 @@ def test_min_tokens_and_stop_token_ids(slotted: dict[str, Path]) -> None:
 
 def test_the_c_decode_loop_samples_as_the_scheduler(slotted: dict[str, Path]) -> None:
     """npuc_generate with each sequence's npuc_sampling: the scheduler's tokens, over 4 slots."""
-    from npuc.apps.sampling import _Sampling
     from npuc.runtime.native_session import NativeSession, _Error, _raise
-
-    class Seq(ctypes.Structure):
-        _fields_ = [("prompt", ctypes.POINTER(ctypes.c_int64)), ("prompt_len", ctypes.c_int32),
-                    ("max_new_tokens", ctypes.c_int32), ("ignore_eos", ctypes.c_int32),
-                    ("out_tokens", ctypes.POINTER(ctypes.c_int64)), ("n_out", ctypes.c_int32),
-                    ("finish_reason", ctypes.c_int32), ("sampling", ctypes.POINTER(_Sampling))]
+    from npuc.runtime.native_session import _Sequence as Seq
 
     requests = [*OTHERS[:2], (PROMPT, SEEDED), ([40, 41, 42], SamplingParams(temperature=1.2, top_k=7, seed=77))]
     want = _run(slotted["four"], requests, new=16)
@@ -221,8 +215,7 @@ def test_the_c_decode_loop_samples_as_the_scheduler(slotted: dict[str, Path]) ->
         ch = TokenChooser(params, p, 16, 1 << 20, ())  # its npuc_sampling, as the scheduler's chooser fills it
         pa, out = (ctypes.c_int64 * len(p))(*p), (ctypes.c_int64 * 16)()
         keep += [pa, out, ch]
-        seqs[q] = Seq(pa, len(p), 16, 1, out, 0, 0,
-                      ctypes.pointer(ch._c) if not params.plain else ctypes.POINTER(_Sampling)())
+        seqs[q] = Seq(pa, len(p), 16, 1, out, 0, 0, ctypes.addressof(ch._c) if not params.plain else None)
     err = _Error()
     rc = s.lib.npuc_generate(s._session, ctypes.cast(seqs, ctypes.c_void_p), len(requests), None, None,
                              ctypes.byref(err))
