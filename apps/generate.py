@@ -40,7 +40,13 @@ class GenerationInfo:
     eos: frozenset[int]
     ids_name: str
     vocab: int
-    last_token: bool = False  # prefill takes the row to compute logits for (LAST_TOKEN)
+    last_token: bool = False  # prefill computes the logits of one row, the one its LAST_TOKEN input names
+    # prefill takes the prompt's last row (LAST_TOKEN): for its logits, or for the row whose
+    # recurrent state it keeps (a model with recurrent layers has the input with every row's logits)
+    takes_last: bool = False
+    # the model keeps recurrent state per slot (metadata recurrent_state): a slot's state is
+    # reset by a prefill only, so a prompt never starts in a slot through the decode steps
+    recurrent: bool = False
 
 
 def _vocab(s: Session, ids_name: str) -> int:
@@ -57,17 +63,25 @@ def generation_info(s: Session | NativeSession) -> GenerationInfo:
     if hasattr(s, "generation"):  # the C executor read it from the file at load
         g = s.generation()
         ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
-        last = any(t.name == LAST_TOKEN for t in s.programs["prefill"].inputs)
-        return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last)
+        takes, last = _last_row(s)
+        return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last, takes,
+                              bool(s.metadata("recurrent_state")))
     meta = {m.key: m.value for m in s.model.metadata}
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
         raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
     ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
-    last = any(t.name == LAST_TOKEN for t in s.programs["prefill"].inputs)
+    takes, last = _last_row(s)
     return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name),
-                          last)
+                          last, takes, bool(meta.get("recurrent_state")))
+
+
+def _last_row(s: Session | NativeSession) -> tuple[bool, bool]:
+    """(prefill takes a LAST_TOKEN input, its logits are that row's alone)."""
+    prefill = s.programs["prefill"]
+    takes = any(t.name == LAST_TOKEN for t in prefill.inputs)
+    return takes, takes and prefill.outputs[0].shape[1] == 1
 
 
 def stream(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False) -> Iterator[int]:
@@ -123,7 +137,7 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     first = np.zeros((1, info.prefill_len), dtype=np.int64)
     first[0, :n] = np.asarray(list(prompt[:n]), dtype=np.int64)
     feeds = {info.ids_name: first}
-    if info.last_token:
+    if info.takes_last:
         feeds[LAST_TOKEN] = np.array([n - 1], dtype=np.int64)
     logits = s.run(feeds, "prefill", copy_outputs=keep_logits)["logits"][0, 0 if info.last_token else n - 1]
     decode = s.programs["decode"]

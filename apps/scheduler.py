@@ -121,6 +121,12 @@ class Scheduler:
         token after it, an id outside the vocabulary, or max_new_tokens < 1 (0 is allowed with
         prompt_logprobs: the prompt scored, nothing generated)."""
         check_prompt(self.info, prompt)
+        if prompt_logprobs and self.info.last_token and self.info.recurrent:
+            # scoring the prompt would feed it through the decode steps, from a slot whose
+            # recurrent state only a prefill resets
+            raise NpucError("NPUC-E0125", "prompt log-probabilities of a model with recurrent layers need every "
+                            "prompt row's logits from its prefill", "recompile with --prefill_logits all",
+                            exit_code=EXIT_USAGE)
         if max_new_tokens < (0 if prompt_logprobs else 1):
             raise NpucError("NPUC-E0125", f"max_new_tokens is {max_new_tokens}", "ask for at least one token",
                             exit_code=EXIT_USAGE)
@@ -253,7 +259,7 @@ class Scheduler:
         self._prompt[:] = 0
         self._prompt[0, :n] = np.asarray(r.prompt[:n], dtype=np.int64)
         feeds = {info.ids_name: self._prompt}
-        if info.last_token:
+        if info.takes_last:
             self._last[0] = n - 1
             feeds[LAST_TOKEN] = self._last
         if self._slotted:

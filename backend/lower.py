@@ -103,7 +103,9 @@ def buffer_roots(g: Graph) -> dict[int, Value]:
         root[id(v)] = v
     for node in g.nodes:
         od = get_op(node.op)
-        src = node.inputs[od.inplace] if od.inplace is not None and node.inputs[od.inplace].state else None
+        # in place on a state, or on an earlier in-place result of one (a conv window written twice)
+        inp = node.inputs[od.inplace] if od.inplace is not None else None
+        src = inp if inp is not None and (inp.state or (id(inp) in root and root[id(inp)].state)) else None
         if src is None and node.inputs and not node.inputs[0].is_const and is_view(node):
             src = node.inputs[0]
         for o in node.outputs:

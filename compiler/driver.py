@@ -27,6 +27,7 @@ from npuc.backend.writer import WEIGHTS
 from npuc.compiler import instrument, sharded
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
+from npuc.compiler.recurrent import recurrences_as_ops
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
@@ -40,6 +41,7 @@ from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
 from npuc.passes.quantize import Quantize, check_quant
+from npuc.passes.recurrent_state import STATE_PREFIXES, has_recurrent_state
 
 log = logging.getLogger("npuc")
 
@@ -69,17 +71,19 @@ def _trace(loaded: LoadedModel, kwargs: dict[str, Any], fixed: Mapping[str, Any]
     kwargs = {**kwargs, **{k: v for k, v in fixed.items() if k not in bound}}
     if dynamic_shapes is not None:
         dynamic_shapes = {**{k: None for k in kwargs}, **dynamic_shapes}
-    if not bound:
-        return _run_export(loaded.module, (), kwargs, dynamic_shapes)
-    # A tensor kwarg would become a graph input; bound into forward it is a constant
-    # the graph folds. Bound on the instance, not by a wrapper module, so parameter
-    # names keep matching the checkpoint.
-    module = loaded.module
-    module.forward = functools.partial(type(module).forward.__get__(module), **bound)
-    try:
-        return _run_export(module, (), kwargs, dynamic_shapes)
-    finally:
-        del module.forward
+    # Each recurrence transformers names for its kernel hub becomes one op (compiler/recurrent.py)
+    with recurrences_as_ops(loaded.module):
+        if not bound:
+            return _run_export(loaded.module, (), kwargs, dynamic_shapes)
+        # A tensor kwarg would become a graph input; bound into forward it is a constant
+        # the graph folds. Bound on the instance, not by a wrapper module, so parameter
+        # names keep matching the checkpoint.
+        module = loaded.module
+        module.forward = functools.partial(type(module).forward.__get__(module), **bound)
+        try:
+            return _run_export(module, (), kwargs, dynamic_shapes)
+        finally:
+            del module.forward
 
 
 def _specialise_program(ep: torch.export.ExportedProgram, shapes: dict[str, tuple[int, ...]]
@@ -360,7 +364,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     programs = _one_trace(loaded, shapes, max_seq_len, decode_tokens)
     if programs is not None and slots > 1:
         batched = _one_trace(loaded, {k: (slots, *v[1:]) for k, v in shapes.items()}, max_seq_len, decode_tokens)
-        programs = None if batched is None else (programs[0], batched[1], programs[2], batched[3])
+        programs = None if batched is None else (programs[0], batched[1], programs[2], batched[3], *programs[4:])
     if programs is not None:
         try:
             prefill, decode, full = (_import(loaded, ep) for ep in programs[:3])
@@ -368,7 +372,8 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:
-            tables = dataclasses.replace(tables, layers=_layers(loaded), slots=slots, decode_tokens=decode_tokens)
+            tables = dataclasses.replace(tables, layers=_layers(loaded), slots=slots, decode_tokens=decode_tokens,
+                                         probe=_probe(loaded, programs))
             if tables.tables:
                 _token_ids(prefill, max_seq_len)
                 return prefill, decode, tables, source
@@ -388,6 +393,17 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     return prefill, decode, dataclasses.replace(tables, slots=slots, decode_tokens=decode_tokens), source
 
 
+def _probe(loaded: LoadedModel, programs: tuple[torch.export.ExportedProgram, ...]) -> Graph | None:
+    """The short prefill the decode check runs (PROBE_TOKENS), where the one trace gave one."""
+    if len(programs) < 5:
+        return None
+    try:
+        return _import(loaded, programs[4])
+    except NpucError as e:
+        log.debug("the short prefill for the decode check does not import (%s): it runs the prompt's", e)
+        return None
+
+
 def _slots(shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The sequences a --max_seq_len compile caches at once: the token ids' batch."""
     batches = {v[0] for v in shapes.values() if len(v) == 2}
@@ -396,6 +412,10 @@ def _slots(shapes: Mapping[str, tuple[int, ...]]) -> int:
 
 # The forward kwarg the one trace takes as an input; each program has it as a constant.
 POSITIONS = "position_ids"
+# The prefill length the decode-check pass runs (passes/decode_check.py), where the prompt is
+# longer and the one trace gives that length too: its reference kernels then cost a few
+# tokens' work at compile time, not three prompts' (LongTrace.probe)
+PROBE_TOKENS = 8
 # Size checks on the symbolic length; at a static length they are settled (see _at_length).
 _SIZE_CHECKS = frozenset({"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
                           "aten.sym_constrain_range.default"})
@@ -426,8 +446,10 @@ def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_
             ep = _decomposed(ep)
             prefill = _at_length(ep, ids[0], seq, 0)
         c = decode_tokens
+        probe = max(PROBE_TOKENS, c + 1)
         return (prefill, _at_length(ep, ids[0], c, DECODE_TRACE_POSITION), _at_length(ep, ids[0], max_seq_len, 0),
-                _at_length(ep, ids[0], c, DECODE_TRACE_POSITION, keep_positions=True))
+                _at_length(ep, ids[0], c, DECODE_TRACE_POSITION, keep_positions=True),
+                *([_at_length(ep, ids[0], probe, 0)] if probe < seq else []))
     except Exception as e:  # noqa: BLE001 - any failure here (a torch version whose export internals
         # differ, too) only costs the static traces, which say what is wrong if anything is
         log.debug("no single trace at a symbolic length for this model (%s): tracing each length", e)
@@ -689,13 +711,20 @@ def compile_model(
                                                         sharded.split_pipeline(decode_passes)
                                                         if decode_graph is not None else ([], []))
         tails = [tail, decode_tail] if decode_graph is not None else [tail]
+    if decode_graph is not None and max_seq_len is not None and tables.probe is not None:
+        passes = _probe_first(tables.probe, passes, debug)
     progress.stage("optimise", len(passes))
     run = instrument.run_pipeline(graph, passes, verify_each=debug, dumper=dumper, on_pass=progress.advance)
     graphs = [run.graph]
     if decode_graph is not None:
         # What prefill computes (recorded once known): "last" by default, "all" where the model's
         # logits do not come from an LM head the pass can follow (it warned).
-        meta["option.prefill_logits"] = "last" if any(v.name == LAST_TOKEN for v in run.graph.inputs) else "all"
+        # (a recurrent model's prefill takes last_token whatever it computes: the row whose state it keeps)
+        one_row = any(v.name == LAST_TOKEN for v in run.graph.inputs) and run.graph.outputs[0].type.rank == 3 \
+            and run.graph.outputs[0].type.shape[1] == 1
+        meta["option.prefill_logits"] = "last" if one_row else "all"
+        if has_recurrent_state(run.graph):  # what generate and serve must know (apps/scheduler.py)
+            meta["recurrent_state"] = ",".join(sorted(n for n in run.graph.states if n.startswith(STATE_PREFIXES)))
         progress.stage("optimise decode", len(decode_passes))
         decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug,
                                              on_pass=progress.advance)
@@ -781,6 +810,18 @@ def _stored_ranges(low: Lowered) -> list[FileRange]:
     return out
 
 
+def _probe_first(probe: Graph, passes: list[Pass], debug: bool) -> list[Pass]:
+    """Run the prefill pipeline's head, through the decode check, on the short prefill
+    (LongTrace.probe), which records what decode is checked against; the prompt-long prefill's
+    own check then only screens its ops. Returns the prefill's passes so."""
+    at = next((i for i, p in enumerate(passes) if isinstance(p, DecodeCheck)), None)
+    if at is None:
+        return passes
+    probe.name = "prefill"
+    instrument.run_pipeline(probe, passes[:at + 1], verify_each=debug)
+    return [dataclasses.replace(p, record=False) if isinstance(p, DecodeCheck) else p for p in passes]
+
+
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
               trace: LongTrace | None = None, prefill_logits: str | None = None,
               quantize: Quantize | None = None) -> list[list[Pass]]:
@@ -802,7 +843,8 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
                              KVCache(role, cache_len, (), position),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,
-                             decode_check=DecodeCheck(role, probe))
+                             decode_check=DecodeCheck(role, probe,
+                                                      position_ids=bool(trace and trace.decode_positions)))
             for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
 
 

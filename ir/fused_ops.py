@@ -254,6 +254,8 @@ def _check_alibi(name: str, attrs: A, heads: int) -> None:
 def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     cache, new, pos = xs[:3]
     new = new.to(cache.dtype)
+    if new.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
+        new = new.clone()  # rows of the cache itself, viewed (a conv window moving on: recurrent_state.py)
     if len(xs) > 3:  # one sequence into its slot
         cache[int(xs[3].reshape(-1)[0])].index_copy_(1, pos.reshape(-1).long(), new[0])
     elif pos.dim() == 2:  # each sequence at its own positions

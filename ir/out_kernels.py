@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from npuc.ir.ops import _BINARY, _FLOAT_UNARY, _NUMERIC_UNARY
+from npuc.ir.ops import _BINARY, _COMPARE, _FLOAT_UNARY, _NUMERIC_UNARY
 from npuc.ir.quant import qmoe_dequantized  # registers qmoe, whose out-kernel is below
 from npuc.ir.registry import REGISTRY, OutKernelFn, WorkspaceFn
 from npuc.ir.types import DType, TensorType
@@ -84,8 +84,20 @@ def _binary(fn: Callable[..., torch.Tensor]) -> OutKernelFn:
     return run
 
 
-for _name, _fn in _BINARY.items():
+for _name, _fn in {**_BINARY, **_COMPARE}.items():
     _attach(_name, _binary(_fn))
+
+
+@out_kernel("where")
+def _where(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    torch.where(xs[0], xs[1], xs[2], out=outs[0])
+    return True
+
+
+@out_kernel("gelu")
+def _gelu(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    torch.ops.aten.gelu.out(xs[0], approximate=a["approximate"], out=outs[0])
+    return True
 
 
 @out_kernel("cast")
@@ -157,6 +169,38 @@ def _linear(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     torch.mm(x.reshape(-1, k), wt, out=out.view(-1, n))
     if len(xs) > 2:
         out.add_(xs[2])  # after the product, as the reference adds its bias
+    return True
+
+
+@out_kernel("matmul")
+def _matmul(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x, y, out = xs[0], xs[1], outs[0]
+    if x.dtype != y.dtype or out.dtype != x.dtype:
+        return False
+    if x.dim() == 2 and y.dim() == 3:  # one matrix against a batch (Mamba's dt projection): its products
+        for i in range(y.shape[0]):
+            torch.mm(x, y[i], out=out[i])
+        return True
+    if x.dim() < 2 or y.dim() < 2 or (y.dim() > 2 and x.shape[:-2] != y.shape[:-2]):
+        return False  # a vector, or batch dims that broadcast: the reference kernel's
+    torch.matmul(x, y, out=out)
+    return True
+
+
+# -- reductions and normalisations ---------------------------------------------------------
+
+@out_kernel("softmax")
+def _softmax(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    if xs[0].dtype != torch.float32:
+        return False  # computed in f32 and rounded: the reference kernel's
+    torch.softmax(xs[0], dim=a["axis"], out=outs[0])
+    return True
+
+
+@out_kernel("reduce_sum")
+def _reduce_sum(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    x = xs[0]
+    torch.sum(x, dim=tuple(a["axes"]), keepdim=a["keepdim"], dtype=x.dtype, out=outs[0])
     return True
 
 

@@ -163,6 +163,7 @@ def get_op(name: str) -> OpDef:
     from npuc.ir import ops as _ops  # noqa: F401
     from npuc.ir import out_kernels as _out  # noqa: F401
     from npuc.ir import quant as _quant  # noqa: F401
+    from npuc.ir import recurrent_ops as _recurrent  # noqa: F401
 
     try:
         return REGISTRY[name]
@@ -176,5 +177,6 @@ def all_ops() -> dict[str, OpDef]:
     from npuc.ir import ops as _ops  # noqa: F401
     from npuc.ir import out_kernels as _out  # noqa: F401
     from npuc.ir import quant as _quant  # noqa: F401
+    from npuc.ir import recurrent_ops as _recurrent  # noqa: F401
 
     return dict(REGISTRY)

@@ -78,16 +78,25 @@ and decode convolves its token's window of them (`_conv`). The same conv opens s
 and linear-attention mixers, whose recurrence after it has no state here: the decode-check
 pass, right after this one, refuses a decode program that disagrees with prefill.
 
-Refused with NPUC-E0123: no fused attention or causal conv, a conv over the sequence that
-is not causal, a non-causal prefill, an attention mask that is not the plain causal one
-(here or at the cache length), or positions that are not all RoPE (the decode program
-would bake position 0 in).
+A recurrence (a state-space scan, a delta rule: compiler/recurrent.py) keeps a state of
+one row per slot instead of rows per position (passes/recurrent_state.py).
+
+An attention without positions (no RoPE, ALiBi or position ids: NoPE) is cached as any
+other. Whether the model had positions a one-token trace would bake in (a learned table
+read at the trace's position) the graph cannot say; the decode-check pass runs such
+programs and refuses a decode that disagrees with prefill.
+
+Refused with NPUC-E0123: no fused attention, causal conv or recurrence, a conv over the
+sequence that is not causal, a non-causal prefill, an attention mask that is not the plain
+causal one (here or at the cache length), a decode step of several tokens beside a conv or
+a recurrence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -97,6 +106,7 @@ from npuc.ir.evaluate import evaluate_value
 from npuc.ir.graph import TensorSource
 from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.manager import Pass, PassResult
+from npuc.passes.recurrent_state import cache_recurrences, conv_window, recurrences
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 UNCHECKED = -1  # a window that was not checked (LongTrace.windows): the program's own stands
@@ -127,6 +137,9 @@ class LongTrace:
     slots: int = 0
     # Tokens of each slot a decode step runs (KVCache.decode_tokens): --decode_tokens.
     decode_tokens: int = 1
+    # The prefill program at a few tokens (the same trace), where the prefill is longer: what
+    # the decode-check pass runs with the reference kernels instead of the whole prompt.
+    probe: Any = field(default=None, compare=False)
 
 
 # The prefill input naming the slot it fills, where the cache holds several sequences.
@@ -175,15 +188,19 @@ class KVCache(Pass):
                 raise _refuse(f"{n.name} convolves over the sequence, but not causally (left padding of its "
                               "dilated kernel, stride 1, its first outputs read): decode cannot cache its inputs")
         attn = [n for n in g.nodes if n.op in ("fused_attention", "mla_attention")]
-        if not attn and not convs:
+        scans = recurrences(g)
+        if not attn and not convs and not scans:
             raise _refuse("the graph has no fused attention to cache")
-        if len(attn) < self.layers and not convs:  # with convs, the decode-check pass stands for this
+        # with convs or recurrences, the decode-check pass stands for this
+        if len(attn) < self.layers and not convs and not scans:
             raise _refuse(f"{len(attn)} fused attention(s) for {self.layers} layers: a layer whose token mixing is "
                           "not an attention npuc fuses (linear attention, a state-space mixer) would decode "
                           "without its past")
-        seq = attn[0].inputs[0].type.shape[2] if attn else convs[0].inputs[0].type.shape[2]
+        seq = attn[0].inputs[0].type.shape[2] if attn else convs[0].inputs[0].type.shape[2] if convs \
+            else scans[0].inputs[0].type.shape[1]
         if self.cache_len < seq:
             raise _refuse(f"a cache of {self.cache_len} rows cannot hold the {seq} positions of one run")
+        slot: Value | None = None
         if self.role == "decode":
             if any(v.name == "position" for v in g.inputs):
                 raise _refuse("the model already has an input named 'position'")
@@ -192,7 +209,7 @@ class KVCache(Pass):
             if seq > 1 and convs:
                 raise _refuse("a decode step of several tokens beside a cached convolution (cached_conv1d "
                               "computes one token's window)")
-            batch = self._batch(g, attn, convs)
+            batch = self._batch(g, attn, convs, scans)
             if self.slots > 1 and batch != self.slots:
                 raise _refuse(f"the decode trace runs {batch} sequences, the cache holds {self.slots}")
             slots = max(self.slots, 1)
@@ -209,32 +226,42 @@ class KVCache(Pass):
             if self.slots > 1:
                 if any(v.name == SLOT for v in g.inputs):
                     raise _refuse(f"the model already has an input named {SLOT!r}")
-                if self._batch(g, attn, convs) != 1:
+                if self._batch(g, attn, convs, scans) != 1:
                     raise _refuse("a prefill into one slot runs one sequence")
-                g.add_input(SLOT, TensorType((1,), DType.i64))
+                slot = g.add_input(SLOT, TensorType((1,), DType.i64))
             pos = g.add_constant(f"positions_{seq}", TensorType((seq,), DType.i64),
                                  TensorSource(torch.arange(seq, dtype=torch.int64)))
+        if scans and seq > 1 and self.role == "decode":
+            raise _refuse("a decode step of several tokens beside a recurrent layer (a slot short of C tokens "
+                          "would advance its state over the tokens that pad it)")
+        recurrent = cache_recurrences(g, self.role, self.slots, slot)
         if self.windows and len(self.windows) != len(attn):
             raise _refuse(f"the model traced at the cache length has {len(self.windows)} attentions, "
                           f"this program {len(attn)}")
         for i, n in enumerate(attn):
             self._attention(g, n, i, pos, seq)
         for i, n in enumerate(convs):
-            self._conv(g, n, i, pos, seq)
+            if recurrent:  # beside recurrent states, a window of the conv's last inputs (fixed size)
+                reads = self._causal_conv(n)
+                assert reads is not None  # checked above
+                conv_window(g, n, i, self.role, self.slots, slot, reads)
+            else:
+                self._conv(g, n, i, pos, seq)
         ropes = [n for n in g.nodes if n.op == "rope_lut"]
-        # ALiBi's bias moves with the position; a model of convs alone has no positions
-        if attn and not ropes and not self.decode_positions and not any(self.alibi):
-            raise _refuse("no rotary position embedding was fused (positions that are not RoPE "
-                          "cannot move with the decoded token)")
+        # An attention with no RoPE, ALiBi or position ids (NoPE: Jamba's, Nemotron-H's) is an
+        # ordinary cached attention, if the model has no positions that a one-token trace bakes
+        # in (a learned table read at the trace's position): the decode-check pass runs both
+        # programs on such a graph and refuses a decode that disagrees with prefill.
         shared: dict[int, tuple[Value, Value]] = {}
         for r in ropes:
             self._rope(g, r, pos, seq, shared)
         details = {"caches": sum(2 if n.op == "fused_attention" else 1 for n in attn), "rope_lut": len(ropes)}
-        return PassResult(g, True, {**details, **({"conv_caches": len(convs)} if convs else {})})
+        return PassResult(g, True, {**details, **({"conv_caches": len(convs)} if convs else {}),
+                                    **({"recurrent_states": recurrent} if recurrent else {})})
 
     @staticmethod
-    def _batch(g: Graph, attn: Sequence[Node], convs: Sequence[Node]) -> int:
-        return (attn[0] if attn else convs[0]).inputs[0].type.shape[0]
+    def _batch(g: Graph, attn: Sequence[Node], convs: Sequence[Node], scans: Sequence[Node] = ()) -> int:
+        return (attn[0] if attn else convs[0] if convs else scans[0]).inputs[0].type.shape[0]
 
     @staticmethod
     def _causal_conv(n: Node) -> list[Value] | None:

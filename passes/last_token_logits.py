@@ -154,13 +154,16 @@ class LastTokenLogits(Pass):
         if len(ids) != 1:
             return self._leave(g, "the program has no single [batch, seq] token-ids input")
         b, s = ids[0].type.shape
-        if any(v.name == LAST_TOKEN for v in g.values()):
+        # A recurrent model's prefill has the input already (passes/recurrent_state.py): the
+        # row whose state it keeps is the row whose logits it computes.
+        given = next((v for v in g.inputs if v.name == LAST_TOKEN and v.type == TensorType((b,), DType.i64)), None)
+        if given is None and any(v.name == LAST_TOKEN for v in g.values()):
             return self._leave(g, f"the model already has a value named {LAST_TOKEN!r}")
         found = [(o, _trace(o, b, s)) for o in g.outputs]
         chains = [(o, c) for o, c in found if isinstance(c, _Chain)]
         if not chains:
             return self._leave(g, "; ".join(str(c) for _, c in found))
-        last = g.add_input(LAST_TOKEN, TensorType((b,), DType.i64))
+        last = given or g.add_input(LAST_TOKEN, TensorType((b,), DType.i64))
         batch = g.add_constant("batch_rows", TensorType((b,), DType.i64), TensorSource(torch.arange(b)))
         built = [pair for out, chain in chains for pair in self._rewrite(g, out, chain, last, batch)]
         # The old rows, as far as nothing else reads them, consumers first; their names go to

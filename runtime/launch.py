@@ -14,6 +14,14 @@ left to decide. Per step, the first that applies:
             step reads, tail_rows_read; a quantized embedding's rows) in one native call each, on the same pool
             at prefill sizes: torch's OpenMP threads, spinning after a kernel of theirs,
             would take the cores from the pool's GEMM (prefill 1.7x slower, measured)
+            The recurrences of ir/recurrent_ops.py (selective_scan, gated_delta_rule,
+            linear_attention, wkv, linear_recurrence; pure and stateful) and the depthwise
+            conv1d over a recurrent layer's conv window likewise, with f32 operands
+            (npucrt/src/ops_recurrent.c's flat entry points): a recurrent model's decode
+            step allocates nothing
+    scratch an op whose torch form needs temporaries the memory plan has no workspace for
+            (layer_norm's statistics): the same torch ops, `out=` into scratch the session
+            allocates once, at load
     native-gemm  linear with many rows (prefill): runtime/native's GEMM over a copy of the
             weight packed at load into 16-column panels; only the `valid_rows` computed
     prepacked  the same without the native library (no compiler, NPUC_NATIVE=0): oneDNN
@@ -500,6 +508,190 @@ def _native_dequantize(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | 
                                            out.data_ptr(), int(out.dtype == BF16)), b)
 
 
+# -- the recurrences (npucrt/src/ops_recurrent.c's flat entry points) ------------------------------
+
+I64, INT, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_RECURRENT_API = {
+    # name: (argtypes, restype)
+    "npuc_selective_scan_scratch_floats": ([I64, I64, I64, I64, INT, INT, INT], I64),
+    "npuc_selective_scan_f32": ([PTR, PTR, PTR, INT, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64,
+                                 I64, PTR, I64, INT], INT),
+    "npuc_gated_delta_rule_scratch_floats": ([I64, I64, I64, I64, INT, INT], I64),
+    "npuc_gated_delta_rule_f32": ([PTR, PTR, PTR, PTR, INT, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR,
+                                   I64, INT], INT),
+    "npuc_wkv_scratch_floats": ([I64, I64, INT, INT], I64),
+    "npuc_wkv_f32": ([PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, PTR, I64, INT], INT),
+    "npuc_linear_recurrence_scratch_floats": ([I64, I64, INT, INT], I64),
+    "npuc_linear_recurrence_f32": ([PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, PTR, I64, INT], INT),
+    "npuc_conv1d_depthwise_f32": ([PTR, PTR, PTR, PTR, I64, I64, I64, I64, INT], INT),
+}
+
+
+def _recurrent_api(lib: ctypes.CDLL) -> bool:
+    """Declare the recurrences' entry points on `lib` (idempotent); False where the library
+    predates them (a cached build of older sources)."""
+    for name, (args, res) in _RECURRENT_API.items():
+        f = getattr(lib, name, None)
+        if f is None:
+            return False
+        if f.argtypes is None:
+            f.argtypes, f.restype = args, res
+    return True
+
+
+def _index_checked(f: Callable[[], int], b: Bound) -> Launcher:
+    """A recurrence's native call: 1 is a `last` or `slot` out of range (the C executor's
+    NPUC_E_INPUT; nothing was written), anything else non-zero a launcher's bug."""
+    def run() -> None:
+        rc = f()
+        if rc == 1:
+            raise NpucError("NPUC-E0108", f"{b.opdef.name}: its last or slot lies outside the prompt's rows or the "
+                            "state's slots", "last runs over the prompt's rows, slot over 0..slots - 1",
+                            exit_code=EXIT_USAGE)
+        if rc:
+            raise InternalError(f"{b.opdef.name}: the native kernel refused its operands")
+
+    return run
+
+
+def _recurrent_operands(b: Bound, n: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None,
+                                                    list[torch.Tensor]] | None:
+    """(the recurrence's n operands, its output, the state or None, last and slot) where every
+    tensor is a contiguous f32 on the CPU, the indices i64 and the state updated in place."""
+    stateful = b.opdef.inplace is not None
+    at = int(stateful)
+    ops, tail, y = b.ins[at:at + n], b.ins[at + n:], b.outs[at]
+    state = b.ins[0] if stateful else None
+    if any(t.dtype != F32 for t in [*ops, y, *([state] if state is not None else [])]) \
+            or not _contiguous(*ops, y, state, *tail) or any(t.dtype != torch.int64 or t.numel() != 1 for t in tail) \
+            or (state is not None and b.outs[0].data_ptr() != state.data_ptr()):
+        return None
+    return ops, y, state, tail
+
+
+def _state_args(state: torch.Tensor | None, tail: list[torch.Tensor]) -> tuple[int | None, int, int | None, int | None]:
+    """state, slots, last and slot as the entry points take them (None: a NULL pointer)."""
+    return (_ptr(state), state.shape[0] if state is not None else 0, _ptr(tail[0]) if tail else None,
+            _ptr(tail[1]) if len(tail) > 1 else None)
+
+
+def _native_selective_scan(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    got = _recurrent_operands(b, 6) if _recurrent_api(lib) else None
+    if got is None:
+        return None
+    (x, dt, a, bm, cm, d), y, state, tail = got
+    bt, s, dc = x.shape
+    h, (g, n), a_full = dt.shape[2], bm.shape[2:], int(a.dim() == 2)
+    floats = lib.npuc_selective_scan_scratch_floats(bt, dc, n, g, a_full, int(state is None or bool(tail)), ls.threads)
+    if floats < 0:
+        return None
+    ws = ls.scratch(floats)
+    return _index_checked(functools.partial(
+        lib.npuc_selective_scan_f32, x.data_ptr(), dt.data_ptr(), a.data_ptr(), a_full, bm.data_ptr(), cm.data_ptr(),
+        d.data_ptr(), y.data_ptr(), *_state_args(state, tail), bt, s, dc, n, h, g, ws.data_ptr(), ws.numel(),
+        ls.threads), b)
+
+
+def _native_gated_delta_rule(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """gated_delta_rule, and linear_attention: the rule without beta."""
+    plain = b.opdef.name.startswith("linear_attention")
+    got = _recurrent_operands(b, 4 if plain else 5) if _recurrent_api(lib) else None
+    if got is None:
+        return None
+    (q, k, v, g, *rest), o, state, tail = got
+    beta = rest[0] if rest else None
+    bt, s, h, kd = q.shape
+    vd = v.shape[3]
+    floats = lib.npuc_gated_delta_rule_scratch_floats(bt, h, kd, vd, int(state is None or bool(tail)), ls.threads)
+    if floats < 0:
+        return None
+    ws = ls.scratch(floats)
+    return _index_checked(functools.partial(
+        lib.npuc_gated_delta_rule_f32, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), int(g.dim() == 4),
+        _ptr(beta), o.data_ptr(), *_state_args(state, tail), bt, s, h, kd, vd, ws.data_ptr(), ws.numel(),
+        ls.threads), b)
+
+
+def _native_wkv(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    got = _recurrent_operands(b, 4) if _recurrent_api(lib) else None
+    if got is None:
+        return None
+    (k, v, w, u), y, state, tail = got
+    bt, s, c = k.shape
+    floats = lib.npuc_wkv_scratch_floats(bt, c, int(state is None or bool(tail)), ls.threads)
+    if floats < 0:
+        return None
+    ws = ls.scratch(floats)
+    return _index_checked(functools.partial(
+        lib.npuc_wkv_f32, k.data_ptr(), v.data_ptr(), w.data_ptr(), u.data_ptr(), y.data_ptr(),
+        *_state_args(state, tail), bt, s, c, ws.data_ptr(), ws.numel(), ls.threads), b)
+
+
+def _native_linear_recurrence(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    got = _recurrent_operands(b, 2) if _recurrent_api(lib) else None
+    if got is None:
+        return None
+    (x, a), y, state, tail = got
+    bt, s, c = x.shape
+    floats = lib.npuc_linear_recurrence_scratch_floats(bt, c, int(state is None or bool(tail)), ls.threads)
+    if floats < 0:
+        return None
+    ws = ls.scratch(floats)
+    return _index_checked(functools.partial(
+        lib.npuc_linear_recurrence_f32, x.data_ptr(), a.data_ptr(), y.data_ptr(), *_state_args(state, tail), bt, s,
+        c, ws.data_ptr(), ws.numel(), ls.threads), b)
+
+
+def _native_conv1d(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
+    """A depthwise conv1d without padding (a recurrent layer's short convolution over its conv
+    window, [slots, C, W]): one native call. Any other convolution is torch's."""
+    x, w, out = b.ins[0], b.ins[1], b.outs[0]
+    bias = b.ins[2] if len(b.ins) > 2 else None
+    a = b.attrs
+    if not _recurrent_api(lib) or tuple(a["pads"]) != (0, 0) or a["stride"] != 1 or a["dilation"] != 1 \
+            or x.dim() != 3 or w.dim() != 3 or a["groups"] != x.shape[1] or w.shape[:2] != (x.shape[1], 1) \
+            or {x.dtype, w.dtype, out.dtype} != {F32} or (bias is not None and bias.dtype != F32) \
+            or not _contiguous(x, w, bias, out):
+        return None
+    bt, c, length = x.shape
+    return _checked_call(functools.partial(lib.npuc_conv1d_depthwise_f32, x.data_ptr(), w.data_ptr(), _ptr(bias),
+                                           out.data_ptr(), bt, c, length, w.shape[2], ls.threads), b)
+
+
+# -- torch kernels on load-time scratch -------------------------------------------------------------
+
+def _scratch_layer_norm(b: Bound, ls: Launchers) -> Launcher | None:
+    """layer_norm in f32 as its reference kernel computes it (ir/fused_ops.py), op for op, with
+    the statistics and the squared deviations in the session's scratch."""
+    x, scale, out = b.ins[0], b.ins[1], b.outs[0]
+    bias = b.ins[2] if len(b.ins) > 2 else None
+    if x.dim() == 0 or {x.dtype, scale.dtype, out.dtype} != {F32} or (bias is not None and bias.dtype != F32) \
+            or not _contiguous(x, scale, bias, out):
+        return None
+    ax = b.attrs["axis"] % x.dim()
+    axes = tuple(range(ax, x.dim()))
+    stat = tuple(x.shape[:ax]) + (1,) * (x.dim() - ax)
+    rows = math.prod(stat)
+    ws = ls.scratch(x.numel() + 2 * rows)
+    sq = ws[:x.numel()].view(x.shape)
+    mu, var = ws[x.numel():x.numel() + rows].view(stat), ws[x.numel() + rows:x.numel() + 2 * rows].view(stat)
+    eps = ls.keep(torch.tensor(b.attrs["eps"], dtype=F32))
+    n = ls.keep(torch.tensor(float(x.numel() // rows), dtype=F32))
+
+    def run() -> None:  # each mean as torch.mean computes it, the sum then / n (its out= form allocates)
+        torch.sum(x, dim=axes, keepdim=True, out=mu)
+        mu.div_(n)
+        torch.sub(x, mu, out=out)  # x - mu
+        torch.mul(out, out, out=sq)  # (x - mu).pow(2): torch's pow by 2 is this product
+        torch.sum(sq, dim=axes, keepdim=True, out=var)
+        var.div_(n).add_(eps).rsqrt_()
+        out.mul_(var).mul_(scale)
+        if bias is not None:
+            out.add_(bias)
+
+    return run
+
+
 def _checked_call(f: Callable[[], int], b: Bound) -> Launcher:
     """A native call that returns non-zero for arguments it does not take (the launcher
     checked them: this is a bug, said as one)."""
@@ -556,6 +748,11 @@ class Launchers:
             f = build(b, self.lib, self)
             if f is not None:
                 return "native", f
+        build_ws = _SCRATCH.get(b.opdef.name)
+        if build_ws is not None and _declared_right(b):
+            f = build_ws(b, self)
+            if f is not None:
+                return "scratch", f
         if b.opdef.name == "linear" and self.prepack:
             f = _native_gemm(b, self) if self.lib is not None and _declared_right(b) else None
             if f is not None:
@@ -572,4 +769,11 @@ _NATIVE: dict[str, Callable[[Bound, ctypes.CDLL, Launchers], Launcher | None]] =
     "add": _native_elementwise("npuc_add_f32"), "cast": _native_cast, "qlinear": _native_qlinear,
     "transpose": _native_transpose, "fused_attention": _native_fused_attention, "gather": _native_gather,
     "pad": _native_pad, "dequantize": _native_dequantize,
+    "selective_scan": _native_selective_scan, "selective_scan_state": _native_selective_scan,
+    "gated_delta_rule": _native_gated_delta_rule, "gated_delta_rule_state": _native_gated_delta_rule,
+    "wkv": _native_wkv, "wkv_state": _native_wkv,
+    "linear_recurrence": _native_linear_recurrence, "linear_recurrence_state": _native_linear_recurrence,
+    "linear_attention": _native_gated_delta_rule, "linear_attention_state": _native_gated_delta_rule,
+    "conv1d": _native_conv1d,
 }
+_SCRATCH: dict[str, Callable[[Bound, Launchers], Launcher | None]] = {"layer_norm": _scratch_layer_norm}

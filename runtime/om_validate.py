@@ -291,7 +291,8 @@ def check_ops(path: str, m: Any, prog: Any, dtypes: list[str], registry: bool = 
 
 # The registry's in-place ops (OpDef.inplace), for the check without the registry; a test holds
 # this to the registry.
-INPLACE = {"kv_write": 0}
+INPLACE = {"kv_write": 0, "selective_scan_state": 0, "gated_delta_rule_state": 0, "wkv_state": 0,
+           "linear_recurrence_state": 0, "linear_attention_state": 0}
 
 # op -> (its index operand, the operand it indexes, that operand's axis): the rows a position
 # or id may name. An index stored in the weights is read and checked here (a few KB at most);
@@ -301,11 +302,16 @@ _INDEXES = {"rope_lut": (1, 2, 0), "kv_write": (2, 0, 2), "cached_attention": (3
 _SMALL = 1 << 20
 
 
+# passes/recurrent_state.py's states: a fixed size per slot, no rows per position
+RECURRENT_STATES = ("ssm_state.", "delta_state.", "wkv_state.", "lru_state.", "linear_state.", "conv_window.")
+
+
 def position_rows(m: Any) -> int:
     """The positions a `position` input may name: the KV cache's rows, and no more than the
     metadata's max_seq_len (the cache is rounded up to the tile; the RoPE tables, traced at
     max_seq_len, hold that many rows). 0: the model has no cache."""
-    rows = min((int(t.shape[2]) for t in m.tensors if t.region == "state" and len(t.shape) == 4), default=0)
+    rows = min((int(t.shape[2]) for t in m.tensors if t.region == "state" and len(t.shape) == 4
+                and not t.name.startswith(RECURRENT_STATES)), default=0)
     meta = next((e.value for e in m.metadata if e.key == "max_seq_len"), None)
     n = _ints(meta) if meta is not None else None
     return min(rows, n[0]) if rows and n is not None and len(n) == 1 and n[0] > 0 else rows
@@ -429,7 +435,9 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
     if "prefill" not in progs or "decode" not in progs or "max_seq_len" not in meta:
         return
     n = int(meta["max_seq_len"])
-    rows = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4]
+    # the KV and conv caches' rows (a recurrent state has no rows per position)
+    rows = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4
+            and not t.name.startswith(RECURRENT_STATES)]
     if rows and n > min(rows):
         raise bad(E_META, f"{path}: metadata max_seq_len={n} is longer than the KV cache's {min(rows)} rows")
     ids = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name not in ("last_token", "slot")]

@@ -416,8 +416,13 @@ def test_refuses_a_multi_token_decode() -> None:
     refused(build(4), role="decode", match="4 query positions")
 
 
-def test_refuses_a_graph_without_rope() -> None:
-    refused(build(4, rope=False), match="no rotary")
+def test_caches_an_attention_without_positions() -> None:
+    """NoPE (Jamba's, Nemotron-H's attention): an ordinary cached attention; whether positions
+    were baked in instead is decode-check's to find (tests/test_recurrent.py)."""
+    for role, seq in (("prefill", 4), ("decode", 1)):
+        out = KVCache(role, CACHE)(build(seq, rope=False)).graph
+        assert {n for n in out.states} >= {"kv_cache.0.k", "kv_cache.0.v"}
+        assert any(n.op == ("cached_attention" if role == "decode" else "fused_attention") for n in out.nodes)
 
 
 def test_rope_indexing_the_whole_table_by_its_position_ids() -> None:

@@ -84,8 +84,8 @@ def _ported_check_ops(path: str, m: Any, prog: Any, *_: Any) -> None:
                                  f"{', '.join(od.inputs)}")
         for o in op.outputs:
             writable(o, f"is written by op {op.name!r}")
-        if op.op == "kv_write" and op.inputs:  # the registry's only in-place op (OpDef.inplace = 0)
-            writable(op.inputs[0], f"is updated in place by op {op.name!r}")
+        if od.inplace is not None and len(op.inputs) > od.inplace:  # a cache or a recurrent state
+            writable(op.inputs[od.inplace], f"is updated in place by op {op.name!r}")
         if op.HasField("workspace"):
             w = m.tensors[op.workspace]
             if w.region != "arena":
@@ -426,6 +426,38 @@ def test_hostile_edits_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> Non
             compare(lib, rewrite(kv, tmp_path / f"{name}.om", edit))
     for name, edit in EDITS:
         compare(lib, rewrite(kv, tmp_path / f"{name}.om", edit))
+
+
+def test_inplace_operands_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:
+    """Every in-place op of the registry (OpDef.inplace; validate.c's INPLACE) with the operand it
+    updates pointed at a weight: C refuses it as the ported reference does, naming the update.
+    kv_write on the kv seed; the recurrences on a program of every stateful recurrence."""
+    from npuc.backend.lower import lower
+    from npuc.backend.targets import get_target
+    from npuc.backend.writer import write_om
+    from npuc.ir import all_ops
+    from tests.test_npucrt_recurrent import LAYERS, _program
+    from tests.test_om_validate import rewrite
+
+    recurrent = tmp_path / "recurrent.om"
+    write_om(lower([_program("decode1")], get_target("cpu")), str(recurrent))
+    assert npucrt_util.load(lib, recurrent) == (0, "")
+    inplace = {name: od.inplace for name, od in all_ops().items() if od.inplace is not None}
+    assert set(inplace) == {"kv_write", *(spec["op"] for spec in LAYERS.values())}  # a new one: add it here
+    kv = next(p for p in seeds if p.name == "kv.om")
+
+    def into_weights(name: str) -> Any:
+        def edit(m: Any) -> None:
+            op = next(o for p in m.programs for o in p.ops if o.op == name)
+            op.inputs[inplace[name]] = next(i for i, t in enumerate(m.tensors) if t.region == "weights")
+
+        return edit
+
+    for name in inplace:
+        path = rewrite(kv if name == "kv_write" else recurrent, tmp_path / f"{name}.om", into_weights(name))
+        compare(lib, path)
+        _, message, _ = python_load(str(path), ported=True)
+        assert "is updated in place by op" in message and "read-only weights" in message, (name, message)
 
 
 def test_plan_overlaps_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> None:

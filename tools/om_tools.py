@@ -103,10 +103,20 @@ def _program_info(m: Any, prog: Any) -> dict[str, Any]:
     }
 
 
+# Recurrent states (passes/recurrent_state.py): a fixed size per slot, not rows per position
+_RECURRENT = ("ssm_state.", "delta_state.", "wkv_state.", "lru_state.", "linear_state.", "conv_window.")
+
+
 def _caches(m: Any) -> list[Any]:
     """The KV (and conv) caches: state tensors [slots, heads, positions, d]."""
     return [t for t in m.tensors if t.region == "state" and not t.HasField("base") and len(t.shape) == 4
-            and t.shape[0] and t.shape[2]]
+            and t.shape[0] and t.shape[2] and not t.name.startswith(_RECURRENT)]
+
+
+def _recurrent_bytes_per_slot(m: Any) -> int:
+    """Bytes of one sequence's recurrent states (scan and delta-rule states, conv windows)."""
+    return sum(t.nbytes // t.shape[0] for t in m.tensors if t.region == "state" and not t.HasField("base")
+               and t.name.startswith(_RECURRENT) and t.shape and t.shape[0])
 
 
 def _kv_bytes_per_token(m: Any) -> int:
@@ -155,6 +165,7 @@ def model_info(path: str) -> dict[str, Any]:
             "kv_cache_bytes_per_token": _kv_bytes_per_token(m),
             "kv_slots": _kv_slots(m),
             "kv_cache_bytes_per_slot": sum(t.nbytes // t.shape[0] for t in _caches(m)),
+            "recurrent_state_bytes_per_slot": _recurrent_bytes_per_slot(m),
             "format_version": FORMAT_VERSION,
             "file_bytes": max((s["offset"] + s["size"] for s in sections), default=0),
             "sections": sections,
@@ -242,6 +253,9 @@ def render_info(path: str, info: dict[str, Any]) -> str:
                                              f"{_b(info['kv_cache_bytes_per_slot'])}, "
                                              f"{_b(info['kv_cache_bytes_per_token'])} per token)"
                                              if info["state_bytes"] else "")),
+        *([("recurrent state", f"{_b(info['recurrent_state_bytes_per_slot'])} per slot (scan and delta-rule "
+                                "states, conv windows; the same at any --max_seq_len)")]
+          if info.get("recurrent_state_bytes_per_slot") else []),
         ("alignment", _b(info["alignment"])),
     ]
     if "parallel" in info:

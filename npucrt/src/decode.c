@@ -229,7 +229,11 @@ static int prefill_run(npuc_session *s, int32_t slot, const int64_t *tokens, int
     const void *view;
     npuc_session_output_view(s, pf, lo, &view);
     int64_t V = g->logits_width;
-    memcpy(row, (const float *)view + (i_last >= 0 ? 0 : last) * V, (size_t)V * sizeof(float));
+    /* One row (the one last_token names), or every row: a recurrent model's prefill takes
+     * last_token for the row whose state it keeps, whatever logits it computes. */
+    const rt_tensor *lt = &m->tensors[m->programs[pf].outputs[lo]];
+    int64_t at = lt->rank >= 2 && lt->shape[1] == 1 ? 0 : last;
+    memcpy(row, (const float *)view + at * V, (size_t)V * sizeof(float));
     int64_t *track = rt_session_slot_track(s);
     track[2 * slot] = tokens[n - 1], track[2 * slot + 1] = n - 1;
     return 0;

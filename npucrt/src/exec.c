@@ -23,6 +23,7 @@
 
 #include "exec.h"
 #include "kernels.h"
+#include "ops_recurrent.h"
 
 #define GEMV_MAX_ROWS 8
 
@@ -746,6 +747,11 @@ static const struct {
     {"reshape", bind_reshape},       {"slice", bind_slice},
     {"transpose", bind_transpose},   {"gather", bind_gather},
     {"pad", bind_pad},               {"dequantize", bind_dequantize},
+    {"selective_scan", rt_bind_selective_scan}, {"selective_scan_state", rt_bind_selective_scan},
+    {"gated_delta_rule", rt_bind_gated_delta_rule}, {"gated_delta_rule_state", rt_bind_gated_delta_rule},
+    {"wkv", rt_bind_wkv},            {"wkv_state", rt_bind_wkv},
+    {"linear_recurrence", rt_bind_linear_recurrence}, {"linear_recurrence_state", rt_bind_linear_recurrence},
+    {"linear_attention", rt_bind_gated_delta_rule}, {"linear_attention_state", rt_bind_gated_delta_rule},
 };
 
 rt_bind_fn rt_find_binder(const char *op) {

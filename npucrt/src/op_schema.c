@@ -139,6 +139,8 @@ static const rt_attr_spec at_fused_moe[] = {
     {"activation", RT_AK_STR, 0, 0},
     {"expert_offset", RT_AK_INT, 0, 0},
 };
+static const char *const in_gated_delta_rule[] = {"q", "k", "v", "g", "beta"};
+static const char *const in_gated_delta_rule_state[] = {"state", "q", "k", "v", "g", "beta", "last?", "slot?"};
 static const char *const in_gather[] = {"x", "indices"};
 static const rt_attr_spec at_gather[] = {
     {"axis", RT_AK_INT, 0, 0},
@@ -186,6 +188,10 @@ static const rt_attr_spec at_linear[] = {
     {"weight_layout", RT_AK_STR, 0, 0},
     {"valid_rows", RT_AK_INT, 0, 1},
 };
+static const char *const in_linear_attention[] = {"q", "k", "v", "g"};
+static const char *const in_linear_attention_state[] = {"state", "q", "k", "v", "g", "last?", "slot?"};
+static const char *const in_linear_recurrence[] = {"x", "a"};
+static const char *const in_linear_recurrence_state[] = {"state", "x", "a", "last?", "slot?"};
 static const char *const in_log[] = {"x"};
 static const char *const in_log1p[] = {"x"};
 static const char *const in_log_softmax[] = {"x"};
@@ -311,6 +317,8 @@ static const rt_attr_spec at_sdpa[] = {
     {"causal", RT_AK_BOOL, 0, 0},
     {"gqa", RT_AK_BOOL, 0, 0},
 };
+static const char *const in_selective_scan[] = {"x", "dt", "A", "B", "C", "D"};
+static const char *const in_selective_scan_state[] = {"state", "x", "dt", "A", "B", "C", "D", "last?", "slot?"};
 static const char *const in_selu[] = {"x"};
 static const rt_attr_spec at_selu[] = {
     {"alpha", RT_AK_FLOAT, 1, 0},
@@ -371,6 +379,8 @@ static const rt_attr_spec at_trilu[] = {
     {"k", RT_AK_INT, 0, 0},
 };
 static const char *const in_where[] = {"cond", "a", "b"};
+static const char *const in_wkv[] = {"k", "v", "w", "u"};
+static const char *const in_wkv_state[] = {"state", "k", "v", "w", "u", "last?", "slot?"};
 
 static const rt_op_schema SCHEMAS[] = {
     {"abs", in_abs, 1, NULL, 0},
@@ -414,6 +424,8 @@ static const rt_op_schema SCHEMAS[] = {
     {"full", NULL, 0, at_full, 3},
     {"fused_attention", in_fused_attention, 5, at_fused_attention, 5},
     {"fused_moe", in_fused_moe, 5, at_fused_moe, 10},
+    {"gated_delta_rule", in_gated_delta_rule, 5, NULL, 0},
+    {"gated_delta_rule_state", in_gated_delta_rule_state, 8, NULL, 0},
     {"gather", in_gather, 2, at_gather, 1},
     {"gather_elements", in_gather_elements, 2, at_gather_elements, 1},
     {"gather_nd", in_gather_nd, 2, at_gather_nd, 1},
@@ -430,6 +442,10 @@ static const rt_op_schema SCHEMAS[] = {
     {"le", in_le, 2, NULL, 0},
     {"leaky_relu", in_leaky_relu, 1, at_leaky_relu, 1},
     {"linear", in_linear, 3, at_linear, 2},
+    {"linear_attention", in_linear_attention, 4, NULL, 0},
+    {"linear_attention_state", in_linear_attention_state, 7, NULL, 0},
+    {"linear_recurrence", in_linear_recurrence, 2, NULL, 0},
+    {"linear_recurrence_state", in_linear_recurrence_state, 5, NULL, 0},
     {"log", in_log, 1, NULL, 0},
     {"log1p", in_log1p, 1, NULL, 0},
     {"log_softmax", in_log_softmax, 1, at_log_softmax, 1},
@@ -464,6 +480,8 @@ static const rt_op_schema SCHEMAS[] = {
     {"scatter_elements", in_scatter_elements, 3, at_scatter_elements, 2},
     {"scatter_nd", in_scatter_nd, 3, at_scatter_nd, 1},
     {"sdpa", in_sdpa, 4, at_sdpa, 3},
+    {"selective_scan", in_selective_scan, 6, NULL, 0},
+    {"selective_scan_state", in_selective_scan_state, 9, NULL, 0},
     {"selu", in_selu, 1, at_selu, 2},
     {"sigmoid", in_sigmoid, 1, NULL, 0},
     {"sign", in_sign, 1, NULL, 0},
@@ -486,6 +504,8 @@ static const rt_op_schema SCHEMAS[] = {
     {"transpose", in_transpose, 1, at_transpose, 1},
     {"trilu", in_trilu, 1, at_trilu, 2},
     {"where", in_where, 3, NULL, 0},
+    {"wkv", in_wkv, 4, NULL, 0},
+    {"wkv_state", in_wkv_state, 7, NULL, 0},
 };
 
 static const char *const KIND_NAMES[] = {

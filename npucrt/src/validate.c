@@ -129,7 +129,11 @@ static int64_t position_rows(const npuc_model *m) {
     int any = 0;
     for (int32_t i = 0; i < m->n_tensors; i++) {
         const rt_tensor *t = &m->tensors[i];
-        if (is_region(t, REGION_STATE) && t->rank == 4 && (!any || t->shape[2] < rows)) rows = t->shape[2], any = 1;
+        /* the KV and conv caches' rows; a recurrent state (passes/recurrent_state.py) has none per position */
+        int recurrent = strncmp(t->name, "ssm_state.", 10) == 0 || strncmp(t->name, "delta_state.", 12) == 0 ||
+                        strncmp(t->name, "linear_state.", 13) == 0 || strncmp(t->name, "conv_window.", 12) == 0;
+        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && (!any || t->shape[2] < rows))
+            rows = t->shape[2], any = 1;
     }
     const char *v = NULL;
     for (int32_t i = 0; i < m->n_meta && v == NULL; i++)
@@ -446,6 +450,20 @@ static int check_op_schema(const npuc_model *m, const rt_op *op, const char **sc
     return NPUC_OK;
 }
 
+/* The registry's in-place ops (OpDef.inplace) and the operand each updates: runtime/om_validate.py's
+ * INPLACE, which tests/test_npucrt_recurrent.py holds to the registry and tests/test_npucrt_loader.py
+ * this table to the ported reference. -1: the op updates nothing in place. */
+static int inplace_operand(const char *op) {
+    static const struct {
+        const char *op;
+        int operand;
+    } INPLACE[] = {{"kv_write", 0}, {"selective_scan_state", 0}, {"gated_delta_rule_state", 0}, {"wkv_state", 0},
+                   {"linear_recurrence_state", 0}, {"linear_attention_state", 0}};
+    for (size_t j = 0; j < sizeof INPLACE / sizeof INPLACE[0]; j++)
+        if (strcmp(op, INPLACE[j].op) == 0) return INPLACE[j].operand;
+    return -1;
+}
+
 /* The rest of check_ops but the shape rules: run() feeds and returns by name; per op, its schema
  * (check_op_schema), then nothing written in the weights. */
 static int check_writes(const npuc_model *m, const rt_program *g, scratch *sc, npuc_error *err) {
@@ -481,9 +499,10 @@ static int check_writes(const npuc_model *m, const rt_program *g, scratch *sc, n
         int rc = check_op_schema(m, op, sc->names, err);
         if (rc) return rc;
         for (int32_t i = 0; i < op->n_outputs; i++) WRITABLE(op->outputs[i], "is written by op %s", repr(on, op->name));
-        /* The registry's in-place operands (OpDef.inplace): kv_write updates its cache, operand 0. */
-        if (strcmp(op->op, "kv_write") == 0 && op->n_inputs > 0)
-            WRITABLE(op->inputs[0], "is updated in place by op %s", repr(on, op->name));
+        /* The registry's in-place operands (OpDef.inplace): a cache or a recurrent state. */
+        int updated = inplace_operand(op->op);
+        if (updated >= 0 && op->n_inputs > updated)
+            WRITABLE(op->inputs[updated], "is updated in place by op %s", repr(on, op->name));
         if (op->workspace != -1) {
             const rt_tensor *w = &m->tensors[op->workspace];
             if (!is_region(w, REGION_ARENA))
@@ -985,7 +1004,11 @@ static int check_generation(const npuc_model *m, npuc_error *err) {
     int any = 0;
     for (int32_t i = 0; i < m->n_tensors; i++) {
         const rt_tensor *t = &m->tensors[i];
-        if (is_region(t, REGION_STATE) && t->rank == 4 && (!any || t->shape[2] < rows)) rows = t->shape[2], any = 1;
+        /* the KV and conv caches' rows; a recurrent state (passes/recurrent_state.py) has none per position */
+        int recurrent = strncmp(t->name, "ssm_state.", 10) == 0 || strncmp(t->name, "delta_state.", 12) == 0 ||
+                        strncmp(t->name, "linear_state.", 13) == 0 || strncmp(t->name, "conv_window.", 12) == 0;
+        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && (!any || t->shape[2] < rows))
+            rows = t->shape[2], any = 1;
     }
     if (any && n > rows)
         return bad(err, NPUC_E_META, "%s: metadata max_seq_len=%lld is longer than the KV cache's %lld rows", m->path,
