@@ -456,8 +456,9 @@ def systems(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 NATIVE_BEGIN, NATIVE_END = "<!-- bench/native_ab.py -->", "<!-- /bench/native_ab.py -->"
 SAMPLING_BEGIN, SAMPLING_END = "<!-- bench/sampling_ab.py -->", "<!-- /bench/sampling_ab.py -->"
+RECURRENT_BEGIN, RECURRENT_END = "<!-- bench/recurrent_ab.py -->", "<!-- /bench/recurrent_ab.py -->"
 # Sections other scripts write into the report, which this run does not measure: kept.
-KEPT_SECTIONS = ((NATIVE_BEGIN, NATIVE_END), (SAMPLING_BEGIN, SAMPLING_END))
+KEPT_SECTIONS = ((NATIVE_BEGIN, NATIVE_END), (SAMPLING_BEGIN, SAMPLING_END), (RECURRENT_BEGIN, RECURRENT_END))
 
 
 def write_section(doc: Path, begin: str, end: str, section: str) -> None:

@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -378,15 +379,20 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
                 _token_ids(prefill, max_seq_len)
                 return prefill, decode, tables, source
             # No RoPE: a model whose positions are learned or computed embeddings of its
-            # position ids decodes with those ids an input; else the static traces say why not.
+            # position ids decodes with those ids an input; one that reads none (NoPE, a
+            # state-space model) decodes as traced, and the decode check runs it token by token
+            # (positions baked in otherwise show there); else the static traces say why not.
             try:
-                decode = _import(loaded, programs[3])
+                with_ids = _import(loaded, programs[3])
             except NpucError as e:
                 log.debug("the decode program with position ids does not import (%s)", e)
             else:
-                if any(v.name == POSITIONS and v.uses for v in decode.inputs):
+                if any(v.name == POSITIONS and v.uses for v in with_ids.inputs):
                     _token_ids(prefill, max_seq_len)
-                    return prefill, decode, dataclasses.replace(tables, decode_positions=POSITIONS), source
+                    return prefill, with_ids, dataclasses.replace(tables, decode_positions=POSITIONS), source
+                if not any(v.name == POSITIONS for v in decode.inputs):
+                    _token_ids(prefill, max_seq_len)
+                    return prefill, decode, tables, source
     prefill = _import(loaded, _export(loaded, shapes))
     decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded, slots=slots,
                                     decode_tokens=decode_tokens)
@@ -436,10 +442,13 @@ def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_
     batch, seq = shapes[ids[0]]
     _check_room(seq, max_seq_len)
     length = torch.export.Dim("seq_len", min=1, max=max_seq_len)
-    kwargs = {ids[0]: torch.zeros((batch, seq), dtype=loaded.input_dtypes[ids[0]]),
-              POSITIONS: torch.arange(seq).repeat(batch, 1)}
+    kwargs = {ids[0]: torch.zeros((batch, seq), dtype=loaded.input_dtypes[ids[0]])}
+    dims = {ids[0]: {1: length}}
+    if _takes_positions(loaded.module):
+        kwargs[POSITIONS] = torch.arange(seq).repeat(batch, 1)
+        dims[POSITIONS] = {1: length}
     try:
-        ep = _trace(loaded, kwargs, loaded.fixed_kwargs, {ids[0]: {1: length}, POSITIONS: {1: length}})
+        ep = _trace(loaded, kwargs, loaded.fixed_kwargs, dims)
         prefill = _at_length(ep, ids[0], seq, 0)
         if _mutates(prefill) or unsupported_ops(prefill):
             # An op npuc imports only in functional ATen, or one that writes in place.
@@ -454,6 +463,16 @@ def _one_trace(loaded: LoadedModel, shapes: dict[str, tuple[int, ...]], max_seq_
         # differ, too) only costs the static traces, which say what is wrong if anything is
         log.debug("no single trace at a symbolic length for this model (%s): tracing each length", e)
         return None
+
+
+def _takes_positions(module: Any) -> bool:
+    """Whether the model's forward names position ids (a state-space model's takes none: its
+    one trace has the token ids alone)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return POSITIONS in params
 
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -478,9 +497,9 @@ def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int, k
     every length in the Dim's range."""
     placeholders = {p.name: p for p in ep.graph.nodes if p.op == "placeholder"}
     sig = ep.graph_signature
-    if not any(s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS
-               for s in sig.input_specs):
-        raise _NotStatic(f"the trace has no {POSITIONS} input")
+    # A model that takes no position ids (a state-space model's forward) is traced without them
+    has_positions = any(s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS
+                        for s in sig.input_specs)
     length = placeholders[ids].meta["val"].shape[1]
     if not isinstance(length, torch.SymInt) or not isinstance(length.node.expr, sympy.Symbol):
         raise _NotStatic(f"the sequence length of {ids} was traced as {length}")
@@ -519,7 +538,8 @@ def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int, k
     specs = [InputSpec(InputKind.CONSTANT_TENSOR, s.arg, POSITIONS)
              if s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == POSITIONS and not keep_positions
              else s for s in sig.input_specs]
-    constants = dict(ep.constants) if keep_positions else {**ep.constants, POSITIONS: positions.contiguous()}
+    constants = dict(ep.constants) if keep_positions or not has_positions else \
+        {**ep.constants, POSITIONS: positions.contiguous()}
     return torch.export.ExportedProgram(
         root=ep.graph_module, graph=graph, graph_signature=ExportGraphSignature(specs, list(sig.output_specs)),
         state_dict=ep.state_dict, range_constraints={}, module_call_graph=ep.module_call_graph,

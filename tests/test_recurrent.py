@@ -185,3 +185,25 @@ def test_positions_baked_into_the_decode_trace_are_refused(tmp_path: Path) -> No
             compile_model(_LearnedPositions().eval(), input_shape=f"input_ids:1,{prefill}",
                           input_dtypes={"input_ids": "int64"}, output=str(tmp_path / "m"), max_seq_len=32)
         assert e.value.code == "NPUC-E0123" and not (tmp_path / "m.om").exists()
+
+
+def test_decode_check_probes_a_short_prefill(recurrent_models: dict[str, tuple[Path, Path, Path]],
+                                            tmp_path: Path) -> None:
+    """A prompt longer than driver.PROBE_TOKENS: the decode check runs the same trace at 8
+    tokens (its reference kernels then cost a few tokens' work at compile time), and the
+    prompt-long prefill still generates HF's tokens; a state-space model's forward takes no
+    position ids and still traces once."""
+    from npuc.compiler.driver import PROBE_TOKENS, build_programs
+
+    for fam in ("qwen3_5_text", "mamba2"):
+        folder = recurrent_models[fam][0]
+        prefill, _, long, _ = build_programs(str(folder), "input_ids:1,32", None, MAX_SEQ)
+        assert long.probe is not None and long.probe.inputs[0].type.shape == (1, PROBE_TOKENS)
+        assert prefill.inputs[0].type.shape == (1, 32)
+        _, _, short, _ = build_programs(str(folder), f"input_ids:1,{PROBE_TOKENS}", None, MAX_SEQ)
+        assert short.probe is None
+    folder = recurrent_models["qwen3_5_text"][0]
+    om = compile_model(str(folder), input_shape="input_ids:1,32", max_seq_len=MAX_SEQ, output=str(tmp_path / "q"))
+    prompt = [(5 * i + 1) % 90 + 4 for i in range(20)]
+    got = [t for t, _ in steps(Session.load(om), prompt, 12, ignore_eos=True)]
+    assert got == _hf_greedy(_hf(folder), prompt, 12)
