@@ -25,8 +25,20 @@ close to prefill there). In the tiny models of docs/models.md the numeric check 
 separates LFM2's 4e-7 from the hybrids' 3e-6 (Falcon-H1, whose Mamba layers move its
 logits little) to 0.8; the op screen refuses every one of those hybrids first.
 
+Where a program keeps recurrent state (the recurrences compiler/recurrent.py recognises:
+passes/recurrent_state.py) or attends without positions (NoPE, or positions a one-token
+trace baked in), the check runs token by token instead: prefill(t0 .. t[s-1]) gives every
+row's logits A_k; decode from the states prefill keeps after t0 alone (its last_token 0)
+runs t1, t2, .. (C tokens a step, up to 4 steps) at positions 1, 2, .., and each step's
+logits must equal A_k within 1e-3 |A - A'| + 1e-6 |A| (a deep model's rounding at other
+product shapes reaches 4e-5 of the past over the steps; a state not carried, 0.1 to 1).
+The op screen then refuses only what no rule recognised: a float cumsum, a slice_scatter
+along the tokens, a product of two activations that are not weights an MoE gathers.
+
 The prefill program records what the decode program is checked against in the `probe`
-the two passes share (the driver runs prefill's pipeline first).
+the two passes share (the driver runs prefill's pipeline first; where the prompt is longer
+than driver.PROBE_TOKENS, on a short prefill of the same trace instead, and the prompt-long
+prefill's check only screens its ops: `record`).
 """
 
 from __future__ import annotations
@@ -68,7 +80,8 @@ def _refuse(msg: str) -> NpucError:
 @dataclass
 class DecodeProbe:
     """What prefill computed for the check: the token ids, A (every row's logits), |A - A'|,
-    and the states after the prompt without its last token."""
+    and the states decode starts from (after the prompt without its last token, or token by
+    token after t0 alone)."""
 
     tokens: torch.Tensor | None = None
     want: torch.Tensor | None = None
