@@ -11,6 +11,7 @@ import click
 
 def render_ops() -> str:
     """The supported operators as Markdown: the op registry and both frontends' tables."""
+    from npuc.compiler import recurrent as _recurrent  # noqa: F401  (its npuc:: ops' converters register on import)
     from npuc.compiler.onnx_frontend import CONVERTERS as ONNX
     from npuc.compiler.onnx_frontend import MAX_OPSET, MIN_OPSET
     from npuc.compiler.torch_frontend import COMPLEX_CONVERTERS
