@@ -39,6 +39,8 @@ chunked forms transformers writes for prefill compute the same sums in another o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from npuc.ir.ops import A, ShapeError, T
@@ -93,15 +95,18 @@ def _delta(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return torch.stack(outs, 1), (h if last is None else kept)
 
 
-def _stateful(xs: list[torch.Tensor], n: int, step: object, out: int = 0) -> list[torch.Tensor]:
+def _stateful(xs: list[torch.Tensor], n: int, step: object, out: int = 0,
+              empty: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Run `step` for a stateful op: state, its n operands, then last? and slot?; the result
-    takes operand `out`'s dtype (the shape rule's)."""
+    takes operand `out`'s dtype (the shape rule's). Prefill starts from `empty(shape)`
+    (zeros unless given)."""
     state, ops, rest = xs[0], xs[1:1 + n], xs[1 + n:]
-    if rest:  # prefill: from zeros, keep the state after `last`, into `slot`
+    if rest:  # prefill: from an empty state, keep the state after `last`, into `slot`
         last = int(rest[0].reshape(-1)[0])
         slot = int(rest[1].reshape(-1)[0]) if len(rest) > 1 else 0
-        zero = torch.zeros((ops[0].shape[0], *state.shape[1:]), dtype=torch.float32)
-        y, h = step(zero, *ops, last)  # type: ignore[operator]
+        shape = (ops[0].shape[0], *state.shape[1:])
+        start = empty(shape) if empty is not None else torch.zeros(shape, dtype=torch.float32)
+        y, h = step(start, *ops, last)  # type: ignore[operator]
         state[slot:slot + ops[0].shape[0]] = h.to(state.dtype)
     else:
         y, h = step(state, *ops, None)  # type: ignore[operator]
@@ -253,16 +258,7 @@ def _wkv_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
 
 
 def _wkv_state_kernel(xs: list[torch.Tensor], a: A) -> list[torch.Tensor]:
-    state, ops, rest = xs[0], xs[1:5], xs[5:]
-    if rest:
-        last = int(rest[0].reshape(-1)[0])
-        slot = int(rest[1].reshape(-1)[0]) if len(rest) > 1 else 0
-        y, h = _wkv(_wkv_empty(ops[0].shape[0], ops[0].shape[2]), ops[0], ops[1], ops[2], ops[3], last)
-        state[slot:slot + ops[0].shape[0]] = h.to(state.dtype)
-    else:
-        y, h = _wkv(state, ops[0], ops[1], ops[2], ops[3], None)
-        state.copy_(h.to(state.dtype))
-    return [state, y.to(ops[1].dtype)]
+    return _stateful(xs, 4, _wkv, out=1, empty=lambda shape: _wkv_empty(shape[0], shape[2]))
 
 
 def _check_wkv(k: TensorType, v: TensorType, w: TensorType, u: TensorType) -> None:
