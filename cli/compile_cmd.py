@@ -136,11 +136,14 @@ _MODEL_OPTIONS = [
     click.option("--ep", "ep", type=int, default=None, metavar="N",
                  help="With --tp N: --ep N splits MoE experts across the ranks (expert parallel); 1 (the "
                       "default) splits each expert's FFN instead."),
-    click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16",
-                 help="Weight-only quantization: int8 per output channel (w8a16) or int4 per group (w4a16); "
-                      "quantized products take 16-bit activations (docs/quantization.md)."),
+    click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16|w8a8|w4a8",
+                 help="Quantization: int8 per output channel (w8a16) or int4 per group (w4a16) with 16-bit "
+                      "activations; w8a8 and w4a8 (groups of 32) also quantize each product's activations to "
+                      "int8 per block of 32 and multiply in integers, faster and less accurate "
+                      "(docs/quantization.md)."),
     click.option("--group_size", "--group-size", "group_size", type=int, default=None, metavar="32|64|128",
-                 help="With --quant_type: weights per scale along K (w4a16 default 128; w8a16 default per channel)."),
+                 help="With --quant_type: weights per scale along K (w4a16 default 128; w8a16 default per channel; "
+                      "w8a8 and w4a8 default 32)."),
     click.option("--quant_exclude", "--quant-exclude", "quant_exclude", default=None, metavar="FILE",
                  help="A file of node or weight names, one a line, left unquantized."),
     click.option("--quant_strict", "--quant-strict", "quant_strict", is_flag=True, default=False,

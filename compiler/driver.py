@@ -682,7 +682,7 @@ def compile_model(
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
     quant = check_quant(quant_type, group_size)
     exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
-    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict)) if quant else None
+    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict), quant[2]) if quant else None
     input_format = check_input_format(input_format)
     world, expert_parallel = sharded.check_parallel(tp, ep)
     passes = pipelines(mode, keep, target, max_seq_len, prefill_logits=prefill_logits,

@@ -91,7 +91,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
     exclude = attempt("quant_exclude", lambda: read_keep_dtype(quant_exclude, "--quant_exclude"), frozenset[str]())
-    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict)) if quant else None
+    quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict), quant[2]) if quant else None
     fmt = attempt("input format", lambda: check_input_format(input_format), "ND")
     if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx") and os.path.isfile(model):
         from npuc.compiler.onnx_frontend import check_supported, load_onnx

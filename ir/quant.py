@@ -76,9 +76,10 @@ def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
     return w.reshape(codes.shape).to(dtype)
 
 
-def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool, f16_scale: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest (q, scale f32, zero) of w [..., K] in groups along K.
+    """Round-to-nearest (q, scale, zero) of w [..., K] in groups along K; scale f32, or
+    f16 with `f16_scale` (the codes then rounded against the f16 value).
 
     Symmetric: scale = max|w| / qmax, zero 0 (8 bits) or 8 (4 bits: codes 0..15 around 8).
     Asymmetric: the group's [min, max] (widened to hold 0) onto the whole code range."""
@@ -94,13 +95,24 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, symmetric: bool
     else:
         lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
         scale = (hi - lo) / (qmax - qmin)
+        if f16_scale:
+            scale = _to_f16(scale)
         zero = (qmin - lo / torch.where(scale > 0, scale, 1)).round().clamp(qmin, qmax)
+    if f16_scale:
+        scale = _to_f16(scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
     codes = (g / scale.unsqueeze(-1)).round() + zero.unsqueeze(-1)
     codes = codes.clamp(qmin, qmax).reshape(w.shape).to(torch.int32)
     zero_t = zero.to(torch.int8 if bits == 8 else torch.uint8)
     q = codes.to(torch.int8) if bits == 8 else pack4(codes)
-    return q, scale.float(), zero_t
+    return q, scale.half() if f16_scale else scale.float(), zero_t
+
+
+def _to_f16(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as f16 values (in f32), rounded up so that no code leaves its range, and
+    within f16's range (a group too small for an f16 scale becomes all zeros)."""
+    h = scale.clamp(max=65504.0).half().float()
+    return torch.where(h < scale, torch.nextafter(h.half(), torch.tensor(65504.0, dtype=torch.half)).float(), h)
 
 
 def _check_quantized(q: TensorType, scale: TensorType, zero: TensorType, attrs: A) -> int:
@@ -140,10 +152,43 @@ def _dequantize(ins: T, attrs: A) -> list[TensorType]:
     return [TensorType(q.shape[:-1] + (k,), attrs["dtype"])]
 
 
+ACT_BLOCK = 32  # activations quantized per block of 32 along K (act_bits 8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per block of 32 along the last axis: (codes as f32 [..., K], scales
+    f32 [..., K/32]) with scale = max|x| / 127 and code = round_even(x * (127 / max|x|)),
+    clamped to +-127, each step one f32 operation as the C kernel does it (kernels_i8.c)."""
+    k = x.shape[-1]
+    b = x.float().reshape(x.shape[:-1] + (k // ACT_BLOCK, ACT_BLOCK))
+    amax = b.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / torch.where(amax > 0, amax, 1), torch.zeros_like(amax))
+    codes = torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127)
+    return codes.reshape(x.shape[:-1] + (k,)), amax / 127.0
+
+
+def _int8_activation_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                            group: int) -> torch.Tensor:
+    """qlinear with act_bits 8 (docs/quantization.md): each block's dot of integer codes is
+    exact (in f32 below 2^24), then scaled by the weight's and the activations' scales."""
+    qx, sx = quantize_activations(x)
+    w = unpack(q, bits).float() - zero.to(torch.int32).float().repeat_interleave(group, -1)
+    sw = scale.float().repeat_interleave(group // ACT_BLOCK, -1)  # [N, K/32]
+    lead, k = qx.shape[:-1], qx.shape[-1]
+    qx2, sx2 = qx.reshape(-1, k), sx.reshape(-1, k // ACT_BLOCK)
+    y = torch.zeros(qx2.shape[0], w.shape[0])
+    for b in range(k // ACT_BLOCK):
+        cols = slice(b * ACT_BLOCK, (b + 1) * ACT_BLOCK)
+        y += (qx2[:, cols] @ w[:, cols].t()) * sx2[:, b:b + 1] * sw[:, b]
+    return y.reshape(lead + (w.shape[0],))
+
+
 def _qlinear_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     x = xs[0]
-    w = dequantize_ref(xs[1], xs[2], xs[3], a["bits"], a["group_size"])
-    y = F.linear(x.float(), w)
+    if a.get("act_bits") == 8:
+        y = _int8_activation_linear(x, xs[1], xs[2], xs[3], a["bits"], a["group_size"])
+    else:
+        y = F.linear(x.float(), dequantize_ref(xs[1], xs[2], xs[3], a["bits"], a["group_size"]))
     if len(xs) > 4:
         y = y + xs[4].float()
     return y.to(x.dtype)
@@ -153,10 +198,13 @@ def _qlinear_flops(ins: T, outs: T, attrs: A) -> int:
     return 2 * outs[0].numel * ins[0].shape[-1]
 
 
-@op("qlinear", ("x", "q", "scale", "zero", "bias?"), {**_QATTRS, "valid_rows": Attr("int", None, optional=True)},
+@op("qlinear", ("x", "q", "scale", "zero", "bias?"), {**_QATTRS, "valid_rows": Attr("int", None, optional=True),
+                                                      "act_bits": Attr("int", None, optional=True)},
     kernel=_qlinear_kernel, flops=_qlinear_flops, unit="cube",
     doc="y = x @ dequantize(q, scale, zero)^T + bias, the weight stored [out, in] as dequantize's codes; the "
-        "sum is f32, rounded once to x's dtype. valid_rows as linear's")
+        "sum is f32, rounded once to x's dtype. valid_rows as linear's. act_bits 8: x is quantized per row and "
+        "block of 32 along K to symmetric int8 and each block's codes multiplied in integers (groups a multiple "
+        "of 32; scales f16); see docs/quantization.md")
 def _qlinear(ins: T, attrs: A) -> list[TensorType]:
     x, q, scale, zero = ins[0], ins[1], ins[2], ins[3]
     k = _check_quantized(q, scale, zero, attrs)
@@ -167,6 +215,10 @@ def _qlinear(ins: T, attrs: A) -> list[TensorType]:
     rows = attrs["valid_rows"]
     if rows is not None and (x.rank < 2 or not 1 <= rows <= x.shape[-2]):
         raise ShapeError(f"qlinear valid_rows={rows} does not fit input {x}")
+    act = attrs.get("act_bits")
+    if act is not None and (act != 8 or k % ACT_BLOCK or attrs["group_size"] % ACT_BLOCK or scale.dtype != DType.f16):
+        raise ShapeError(f"qlinear act_bits={act}: int8 activations (act_bits 8) need groups a multiple of "
+                         f"{ACT_BLOCK} and f16 scales, got group_size={attrs['group_size']}, K={k}, scale {scale}")
     n = q.shape[0]
     if len(ins) == 5 and (ins[4].shape != (n,) or ins[4].dtype != x.dtype):
         raise ShapeError(f"qlinear bias {ins[4]} does not fit {n} outputs of {x.dtype}")
@@ -216,5 +268,5 @@ def dequantize_attrs(bits: int, group_size: int, dtype: DType) -> dict[str, Any]
     return {"bits": bits, "group_size": group_size, "dtype": dtype}
 
 
-__all__ = ["BITS", "code_dtype", "dequantize_attrs", "dequantize_ref", "pack4", "packed_k", "quantize_rtn",
-           "unpack"]
+__all__ = ["ACT_BLOCK", "BITS", "code_dtype", "dequantize_attrs", "dequantize_ref", "pack4", "packed_k",
+           "quantize_activations", "quantize_rtn", "unpack"]

@@ -473,6 +473,8 @@ def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | Non
         return None
     n, k = q.shape[0], x.shape[-1]
     calls = _row_calls(x, b.attrs)
+    if b.attrs.get("act_bits"):
+        return _native_i8linear(b, lib, ls, calls)
     gemv = sum(r for _, r, _ in calls) <= GEMV_MAX_ROWS
     if gemv and bits == 4 and g % 16:
         return None  # the 4-bit GEMV reads whole blocks of 16: the reference kernel's case
@@ -493,18 +495,43 @@ def _native_qlinear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | Non
     return _sequence(fs)
 
 
+def _native_i8linear(b: Bound, lib: ctypes.CDLL, ls: Launchers, calls: list) -> Launcher | None:
+    """`qlinear[act_bits=8]`: int8 activations times int8 (or 4-bit) codes (kernels_i8.c).
+    The weight is packed once, here, into the kernel's 8-row panels; each call quantizes
+    the activations per block of 32 and accumulates in int32, as ir/quant.py's reference."""
+    x, q, scale, zero = b.ins[:4]
+    bias = b.ins[4] if len(b.ins) > 4 else None
+    y = b.outs[0]
+    bits, g = b.attrs["bits"], b.attrs["group_size"]
+    n, k = q.shape[0], x.shape[-1]
+    if scale.dtype != torch.float16 or k % 32 or g % 32:
+        return None
+    packed = ls.keep(torch.empty(lib.npuc_i8_packed_bytes(bits, n, k), dtype=torch.uint8))
+    if lib.npuc_i8_pack(q.data_ptr(), bits, scale.data_ptr(), zero.data_ptr(), n, k, g, packed.data_ptr()):
+        return None
+    bias_f = ls.keep(bias.float().contiguous()) if bias is not None else None
+    ws = ls.scratch(max(lib.npuc_i8linear_scratch_bytes(r, k) for _, r, _ in calls) // 4 + 1)
+    xb, yb = int(x.dtype == BF16), int(y.dtype == BF16)
+    fs = [_checked_call(functools.partial(lib.npuc_i8linear, x.data_ptr() + row * k * x.element_size(), xb, rows,
+                                          st * k, packed.data_ptr(), bits, n, k, _ptr(bias_f),
+                                          y.data_ptr() + row * n * y.element_size(), yb, st * n, ws.data_ptr(),
+                                          ls.threads), b) for row, rows, st in calls]
+    return _sequence(fs)
+
+
 def _native_dequantize(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None:
     """A quantized table's looked-up rows (passes/quant_fusion.py's gathered embedding),
     as ir/quant.py's reference computes them, in one call."""
     q, scale, zero = b.ins
     out = b.outs[0]
     bits, g = b.attrs["bits"], b.attrs["group_size"]
-    if not _contiguous(q, scale, zero, out) or q.dim() < 1 or scale.dtype not in (F32, BF16) \
+    if not _contiguous(q, scale, zero, out) or q.dim() < 1 or scale.dtype not in (F32, BF16, torch.float16) \
             or out.dtype not in (F32, BF16):
         return None
     k = out.shape[-1]
+    sdt = {F32: 0, BF16: 1, torch.float16: 2}[scale.dtype]
     return _checked_call(functools.partial(lib.npuc_dequantize, q.data_ptr(), bits, scale.data_ptr(),
-                                           int(scale.dtype == BF16), zero.data_ptr(), out.numel() // max(k, 1), k, g,
+                                           sdt, zero.data_ptr(), out.numel() // max(k, 1), k, g,
                                            out.data_ptr(), int(out.dtype == BF16)), b)
 
 

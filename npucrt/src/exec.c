@@ -230,8 +230,9 @@ static int bind_linear(rt_binder *b, rt_step *st) {
 }
 
 /* ---- qlinear ------------------------------------------------------------------------------
- * i: 0 gemv (1) or gemm (0), 1 lead, 2 S, 3 valid, 4 K, 5 N, 6 bits, 7 G, 8 x bf16
- * p: 0 scale f32, 1 zero f32, 2 bias f32 */
+ * i: 0 gemv (1) or gemm (0), 1 lead, 2 S, 3 valid, 4 K, 5 N, 6 bits, 7 G, 8 x bf16, 9 int8
+ *    activations (act_bits 8: kernels_i8.c)
+ * p: 0 scale f32 (int8 activations: the packed weight), 1 zero f32, 2 bias f32 */
 
 static int run_qlinear(const rt_step *st, npuc_session *s) {
     const int64_t *i = st->i;
@@ -242,7 +243,9 @@ static int run_qlinear(const rt_step *st, npuc_session *s) {
     char *y = st->out[0].data;
     int rc = 0;
     FOR_ROW_CALLS(lead, S, valid, {
-        int r = (i[0] ? npuc_qlinear : npuc_qgemm)(x + (size_t)(row0 * K) * e, bf, rows, stride * K, st->in[1].data,
+        int r = i[9] ? npuc_i8linear(x + (size_t)(row0 * K) * e, bf, rows, stride * K, st->p[0], (int)i[6], N, K,
+                                     st->p[2], y + (size_t)(row0 * N) * e, bf, stride * N, s->scratch, s->threads)
+              : (i[0] ? npuc_qlinear : npuc_qgemm)(x + (size_t)(row0 * K) * e, bf, rows, stride * K, st->in[1].data,
                                                    (int)i[6], st->p[0], st->p[1], N, K, i[7], st->p[2],
                                                    y + (size_t)(row0 * N) * e, bf, stride * N, s->scratch, s->threads);
         if (r) rc = NPUC_E_KERNEL;
@@ -297,11 +300,26 @@ static int bind_qlinear(rt_binder *b, rt_step *st) {
     int64_t rows = rows_computed(lead, S, valid), most = valid == S ? lead * S : (valid == 1 ? lead : valid);
     int gemv = rows <= GEMV_MAX_ROWS && !(bits == 4 && g % 16);
     int bf = x->dtype == NPUC_BF16;
+    int64_t act = rt_attr_i(st->op, "act_bits", 0);
+    if (act != 0 && (act != 8 || k % 32 || g % 32 || scale->dtype != NPUC_F16))
+        return does_not_fit(b, st, "int8 activations (act_bits 8) take f16 scales in groups of a multiple of 32");
     int64_t *i = st->i;
     i[0] = gemv, i[1] = lead, i[2] = S, i[3] = valid, i[4] = k, i[5] = N, i[6] = bits, i[7] = g, i[8] = bf;
+    i[9] = act == 8;
+    st->run = run_qlinear;
+    if (act == 8) {
+        want_scratch(b, npuc_i8linear_scratch_bytes(most, k) / (int64_t)sizeof(float) + 1);
+        if (b->dry) return 0;
+        st->p[0] = pool_or_null(b, (size_t)npuc_i8_packed_bytes((int)bits, N, k));
+        st->p[2] = bias != NULL ? widen(b, bias, 0) : NULL;
+        if (st->p[0] == NULL || (bias != NULL && st->p[2] == NULL))
+            return rt_fail(b->err, NPUC_E_ARG, "", "out of memory");
+        if (npuc_i8_pack(q->data, (int)bits, scale->data, zero->data, N, k, g, st->p[0]))
+            return does_not_fit(b, st, "the weight cannot be laid out for int8 activations");
+        return 0;
+    }
     want_scratch(b, gemv ? npuc_qlinear_scratch_floats(most, k, g)
                          : npuc_qgemm_scratch_floats(most, N, k, bf, b->threads));
-    st->run = run_qlinear;
     if (!b->dry) {
         st->p[0] = widen(b, scale, 0);
         st->p[1] = widen(b, zero, 1);
@@ -725,9 +743,9 @@ static int bind_dequantize(rt_binder *b, rt_step *st) {
     want.shape[q->rank - 1] = k;
     want.numel = q->rank ? prod(want.shape, 0, q->rank) : 1;
     if (!out_like(st, 0, &want, (int)to)) return does_not_fit(b, st, "the output is not the dequantized weight");
-    if (!is_float((int)to) || !is_float(scale->dtype)) return no_kernel(b, st, NULL);
+    if (!is_float((int)to) || !(is_float(scale->dtype) || scale->dtype == NPUC_F16)) return no_kernel(b, st, NULL);
     int64_t *i = st->i;
-    i[0] = bits, i[1] = scale->dtype == NPUC_BF16, i[2] = want.numel / (k ? k : 1), i[3] = k, i[4] = g;
+    i[0] = bits, i[1] = scale->dtype == NPUC_BF16 ? 1 : scale->dtype == NPUC_F16 ? 2 : 0, i[2] = want.numel / (k ? k : 1), i[3] = k, i[4] = g;
     i[5] = to == NPUC_BF16;
     st->run = run_dequantize;
     return 0;

@@ -1257,14 +1257,14 @@ int npuc_gather_rows(const void *table, i64 rows, i64 row_bytes, const int64_t *
  * out[r, k] = (code[r, k] - zero[r, k / G]) * scale[r, k / G], in f32 (ir/quant.py's
  * dequantize_ref, the same operations in the same order), stored f32 or bf16. Codes: i8
  * (bits 8) or two u8 nibbles a byte, low first (bits 4); zero points i8 or u8 alike; scales
- * f32 or bf16. A decode step's one row: no threads. */
+ * f32 (sbf 0), bf16 (1) or f16 (2). A decode step's one row: no threads. */
 int npuc_dequantize(const void *q, int bits, const void *scale, int sbf, const void *zero, i64 rows, i64 K, i64 G,
                     void *out, int obf) {
     if (G < 1 || K % G || (bits != 4 && bits != 8) || (bits == 4 && K % 2)) return 1;
     i64 ng = K / G;
     for (i64 r = 0; r < rows; r++)
         for (i64 g = 0; g < ng; g++) {
-            float s = load_any(scale, sbf, r * ng + g);
+            float s = sbf == 2 ? npuc_f16_to_f32(((const uint16_t *)scale)[r * ng + g]) : load_any(scale, sbf, r * ng + g);
             float z = bits == 8 ? (float)((const int8_t *)zero)[r * ng + g] : (float)((const uint8_t *)zero)[r * ng + g];
             for (i64 k = g * G; k < (g + 1) * G; k++) {
                 int c = bits == 8 ? ((const int8_t *)q)[r * K + k]

@@ -27,6 +27,15 @@ i64 npuc_qgemm_scratch_floats(i64 M, i64 N, i64 K, int ybf, int nt);
 int npuc_qgemm(const void *x, int xbf, i64 M, i64 xs, const uint8_t *q, int bits, const float *scale,
                const float *zero, i64 N, i64 K, i64 G, const float *bias, void *y, int ybf, i64 ys, float *scratch,
                int nt);
+/* Integer-activation products (kernels_i8.c): weights packed once at bind, activations
+ * quantized to int8 per block of 32 on each call; scales f16 (their bits). */
+i64 npuc_i8_packed_bytes(int bits, i64 N, i64 K);
+int npuc_i8_pack(const uint8_t *q, int bits, const uint16_t *scale, const uint8_t *zero, i64 N, i64 K, i64 G,
+                 uint8_t *packed);
+i64 npuc_i8linear_scratch_bytes(i64 M, i64 K);
+int npuc_i8linear(const void *x, int xbf, i64 M, i64 xs, const uint8_t *packed, int bits, i64 N, i64 K,
+                  const float *bias, void *y, int ybf, i64 ys, void *scratch, int nt);
+const char *npuc_i8_path(void);
 int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out, i64 R, i64 D, int nt);
 int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const float *sin_t, float *out, i64 G,
                   i64 S, i64 d, i64 half, i64 T, int layout, i64 B, int nt);

@@ -227,6 +227,7 @@ static const rt_attr_spec at_qlinear[] = {
     {"bits", RT_AK_INT, 1, 0},
     {"group_size", RT_AK_INT, 1, 0},
     {"valid_rows", RT_AK_INT, 0, 1},
+    {"act_bits", RT_AK_INT, 0, 1},
 };
 static const char *const in_qmoe[] = {
     "x",
@@ -462,7 +463,7 @@ static const rt_op_schema SCHEMAS[] = {
     {"neg", in_neg, 1, NULL, 0},
     {"pad", in_pad, 2, at_pad, 2},
     {"pow", in_pow, 2, NULL, 0},
-    {"qlinear", in_qlinear, 5, at_qlinear, 3},
+    {"qlinear", in_qlinear, 5, at_qlinear, 4},
     {"qmoe", in_qmoe, 9, at_qmoe, 13},
     {"reciprocal", in_reciprocal, 1, NULL, 0},
     {"reduce_max", in_reduce_max, 1, at_reduce_max, 2},

@@ -1,5 +1,5 @@
 /* SIMD helpers shared by the kernel files (kernels.c, ops_deepseek.c): exp, horizontal sums and bf16 loads
- * on AVX2 + FMA; the axpy loops of attention with a portable tail; the one scalar bf16 -> f32. */
+ * on AVX2 + FMA; the axpy loops of attention with a portable tail; the scalar bf16 and f16 -> f32. */
 #ifndef NPUCRT_SIMD_H
 #define NPUCRT_SIMD_H
 
@@ -8,6 +8,19 @@
 /* A bf16's value as f32 (its 16 bits are the top half of the f32's). */
 static inline float npuc_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* An IEEE half's value as f32 (subnormals, infinities and NaN included). */
+static inline float npuc_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact in f32 */
+        v.f = (float)m * 5.9604644775390625e-8f;
+        v.u |= sign;
+        return v.f;
+    }
+    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
     return v.f;
 }
 

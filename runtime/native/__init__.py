@@ -128,7 +128,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("npuc_qlinear", "npuc_qgemm"):
         getattr(lib, name).argtypes = [PTR, INT, I64, I64, PTR, INT, PTR, PTR, I64, I64, I64, PTR, PTR, INT, I64, PTR,
                                        INT]
-    for name in ("npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32", "npuc_rope_f32", "npuc_kv_write",
+    lib.npuc_i8_packed_bytes.argtypes = [INT, I64, I64]
+    lib.npuc_i8_packed_bytes.restype = I64
+    lib.npuc_i8_pack.argtypes = [PTR, INT, PTR, PTR, I64, I64, I64, PTR]
+    lib.npuc_i8linear_scratch_bytes.argtypes = [I64, I64]
+    lib.npuc_i8linear_scratch_bytes.restype = I64
+    # x, xbf, M, xs, packed, bits, N, K, bias, y, ybf, ys, scratch, nt
+    lib.npuc_i8linear.argtypes = [PTR, INT, I64, I64, PTR, INT, I64, I64, PTR, PTR, INT, I64, PTR, INT]
+    lib.npuc_i8_path.restype = ctypes.c_char_p
+    lib.npuc_i8_path.argtypes = []
+    for name in ("npuc_i8_pack", "npuc_i8linear", "npuc_linear_f32", "npuc_linear_bf16", "npuc_rms_norm_f32",
+                 "npuc_rope_f32", "npuc_kv_write",
                  "npuc_cached_attention", "npuc_swiglu_f32", "npuc_add_f32", "npuc_cast", "npuc_gemm_pack_b",
                  "npuc_gemm_f32", "npuc_qlinear", "npuc_qgemm", "npuc_permute", "npuc_gather_rows", "npuc_pad_rows", "npuc_dequantize", "npuc_attention_gemm"):
         getattr(lib, name).restype = INT
