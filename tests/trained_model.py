@@ -272,7 +272,8 @@ def format_table(rows: Sequence[Row]) -> str:
 # The rows docs/trained-model.md reports; the quantized ones wait for compile_model's quant_type (issue 14).
 TABLE_CONFIGS: list[dict[str, Any]] = [
     FP32, {"precision_mode": "allow_mix_precision_bf16"}, {"quant_type": "w8a16"},
-    {"quant_type": "w4a16", "group_size": 128}, {"quant_type": "w4a16", "group_size": 32}]
+    {"quant_type": "w4a16", "group_size": 128}, {"quant_type": "w4a16", "group_size": 32},
+    {"quant_type": "w8a8"}, {"quant_type": "w4a8", "group_size": 32}]
 
 
 def main() -> None:

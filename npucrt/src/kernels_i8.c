@@ -19,7 +19,7 @@
  * horizontal sums. 8-bit codes are stored offset by 128 (u8 = code ^ 0x80, its zero point
  * then 128 more); 4-bit codes two quads a byte (quad j in the low nibbles, quad j + 4 in the
  * high ones). Each (panel, block) is followed by the 8 rows' f16 scales and u8 zero points.
- * Measured against reading the stored rows directly: docs/performance.md.
+ * Its speed, per shape and thread count: docs/performance.md.
  *
  * Paths: AVX-512 VNNI (256-bit, EVEX), AVX-VNNI, AVX2 (vpmaddubsw, which saturates past
  * 32767: 8-bit codes go through the sign trick, 4-bit ones fit), and plain C. All are exact
