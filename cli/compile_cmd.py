@@ -28,7 +28,7 @@ from npuc.cli.diagnostics import LOG_LEVELS, handle_errors, report, setup
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 
 # ATC's --framework numbers; npuc reads ONNX (5) and, beyond ATC, torch programs and HF folders.
-FRAMEWORKS = {"5": "onnx", "onnx": "onnx", "pt2": "pt2", "hf": "hf"}
+FRAMEWORKS = {"5": "onnx", "onnx": "onnx", "pt2": "pt2", "hf": "hf", "gguf": "gguf"}
 ATC_ONLY = {"0": "Caffe", "1": "MindSpore", "3": "TensorFlow"}
 MODES = {"0": "compile", "1": "to JSON", "3": "precheck", "6": "model info"}
 
@@ -38,6 +38,8 @@ def detect_framework(path: str) -> str:
         return "onnx"
     if path.endswith(".pt2"):
         return "pt2"
+    if path.lower().endswith(".gguf"):
+        return "gguf"
     if os.path.isdir(path):
         return "hf"
     raise NpucError("NPUC-E0103", f"cannot tell what kind of model {path!r} is",
@@ -169,7 +171,7 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--print-config", "--print_config", "print_config", is_flag=True,
               help="Print the options in force (as TOML) and exit.")
 @click.option("--model", "model_opt", help="Model path (ATC spelling; same as the argument).")
-@click.option("--framework", default=None, help="5 or onnx, pt2, hf (detected from the file when omitted).")
+@click.option("--framework", default=None, help="5 or onnx, pt2, hf, gguf (detected from the file when omitted).")
 @click.option("--mode", default="0", type=click.Choice(list(MODES)),
               help="0 compile (default), 1 convert to JSON, 3 precheck only, 6 model info.")
 @click.option("--om", "om", default=None, help="--mode 1/6: the .om to read.")

@@ -26,6 +26,7 @@ from npuc.backend.om_sections import METADATA, split_model
 from npuc.backend.targets import Target, check_dtypes, check_fits, dtypes_used, get_target
 from npuc.backend.writer import WEIGHTS
 from npuc.compiler import instrument, sharded
+from npuc.compiler.gguf_import import eos_token_ids, is_gguf, tokenizer_files
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
@@ -551,6 +552,11 @@ def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list
     config or config), and the files read for it."""
     meta = {"programs": "prefill,decode", "max_seq_len": str(max_seq_len)}
     read: list[str] = []
+    if is_gguf(model):  # the metadata's tokenizer.ggml.eos_token_id
+        ids = eos_token_ids(model)
+        if ids:
+            meta["eos_token_id"] = ",".join(str(i) for i in ids)
+        return meta, [os.fspath(model)]
     folder = _checkpoint_folder(model)
     if folder is not None:
         for fname in ("generation_config.json", "config.json"):
@@ -585,6 +591,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _tokenizer_section(model: Any) -> tuple[dict[str, bytes], list[str]]:
     """The `tokenizer` section (the folder's tokenizer files), and the files read."""
+    if is_gguf(model):  # built by transformers from the file's metadata
+        made = {n: base64.b64encode(b).decode("ascii") for n, b in tokenizer_files(model).items()}
+        return ({"tokenizer": json.dumps(made, sort_keys=True).encode()} if made else {}), [os.fspath(model)]
     folder = _checkpoint_folder(model)
     if folder is None:
         return {}, []

@@ -223,13 +223,17 @@ def load_source(model: Any, *, trust_pickle: bool = False) -> LoadedModel:
         return load_hf_dir(path)
     if path.suffix == ".json":  # a config alone: a plan's shapes and bytes, no weights (npuc plan)
         return load_hf_dir(path.parent, config_file=path)
+    if path.suffix.lower() == ".gguf":  # llama.cpp's format (compiler/gguf_import.py)
+        from npuc.compiler.gguf_import import load_gguf
+
+        return load_gguf(path)
     if path.suffix == ".pt2":
         ep = load_pt2(str(path), trust_pickle=trust_pickle)
         loaded = LoadedModel(ep.module(), "pt2", input_dtypes=_ep_input_dtypes(ep), program=ep)
         loaded.files.append(str(path))
         return loaded
     raise NpucError("NPUC-E0103", f"cannot tell what kind of model {str(path)!r} is",
-                    "npuc reads .onnx and .pt2 files and Hugging Face checkpoint folders",
+                    "npuc reads .onnx, .pt2 and .gguf files and Hugging Face checkpoint folders",
                     exit_code=EXIT_USAGE)
 
 
@@ -303,6 +307,32 @@ class AbsentSource:
         return f"{self.name} (config only)"
 
 
+def parameter_owners(module: nn.Module) -> tuple[dict[int, list[str]], dict[int, nn.Parameter]]:
+    """Each parameter object (by id) with every name it goes by (tied weights: several), and the object."""
+    owners: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return owners, params
+
+
+def missing_weights(missing: list[str], where: str, hint: str) -> NpucError:
+    return NpucError("NPUC-E0305", f"{len(missing)} weight(s) are not in {where}: " + ", ".join(missing[:5])
+                     + ("..." if len(missing) > 5 else ""), hint, exit_code=EXIT_IO)
+
+
+def give_storage(module: nn.Module, params: Mapping[int, nn.Parameter]) -> None:
+    """Replace the meta parameters of a module built by `_parameters_without_memory` with
+    uninitialised real ones (export needs storage; its pages are never touched), ties kept."""
+    fresh: dict[int, nn.Parameter] = {
+        pid: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False) for pid, p in params.items()}
+    for mod in module.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[pname] = fresh[id(p)]
+
+
 def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
     """A checkpoint folder, or with `config_file` that config alone (every weight an
     AbsentSource: shapes and bytes for a plan, nothing to write)."""
@@ -366,11 +396,7 @@ def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
                             exit_code=EXIT_UNSUPPORTED)
     # Give each parameter uninitialised storage (pages are never touched) and find
     # its tensor in the checkpoint; tied parameters share one object, so one key.
-    owners: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-        params[id(p)] = p
+    owners, params = parameter_owners(module)
     sources: dict[str, ConstSource] = {}
     missing = []
     mapping = _checkpoint_conversions(transformers, module, index) if index else None
@@ -414,15 +440,8 @@ def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
         for n in names:
             sources[n] = src
     if missing:
-        raise NpucError("NPUC-E0305", f"{len(missing)} weight(s) are not in the checkpoint: "
-                        + ", ".join(missing[:5]) + ("..." if len(missing) > 5 else ""),
-                        "the checkpoint does not match its config.json", exit_code=EXIT_IO)
-    fresh: dict[int, nn.Parameter] = {
-        pid: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False) for pid, p in params.items()}
-    for mod in module.modules():
-        for pname, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[pname] = fresh[id(p)]
+        raise missing_weights(missing, "the checkpoint", "the checkpoint does not match its config.json")
+    give_storage(module, params)
     files = [str(where)] + sorted({f for f, _ in index.values()})
     dtypes = {n: torch.int64 for n in _INT_INPUTS}
     return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
