@@ -14,7 +14,7 @@ P99/P50, and for any two systems the median and quartiles of the per-round ratio
 their tokens/s.
 
     python bench/decode_ab.py npuc:A.om npuc:B.om hf:CKPT_DIR ort:PREFILL.onnx,DECODE.onnx \
-        [llamacpp:X.gguf --llamacpp-python PY] [--rounds 9]
+        [llamacpp:X.gguf --llamacpp-python PY] [openvino:DIR --openvino-python PY] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -30,21 +30,28 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 
-# argv: bench dir, kind (npuc|hf|ort), threads, prompt ids as JSON, new tokens, max_len, then
-# the model path(s). Answers "ready" after a warm-up generation, then per line it reads one
-# JSON line: the generation's tokens and the seconds of each decode step.
+# argv: bench dir, kind (npuc|hf|ort|llamacpp|openvino), threads, prompt ids as JSON, new
+# tokens, max_len, then the model path(s). Answers "ready" after a warm-up generation, then
+# per line it reads one JSON line: the generation's tokens, the seconds of each decode step,
+# and the seconds from the call to the first token (the prompt's prefill and its argmax).
 _WORKER = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 kind, threads, ids, new, max_len = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 paths = sys.argv[7:]
-if kind != "llamacpp":
+if kind not in ("llamacpp", "openvino"):  # those run in venvs of their own, without torch
     import torch
     torch.set_num_threads(threads)
-if kind == "llamacpp":
+if kind in ("llamacpp", "openvino"):
     from pathlib import Path
-    from llamacpp import Generator
-    generate = Generator(Path(paths[0]), ids, new, threads).generate
+    if kind == "llamacpp":
+        from llamacpp import Generator
+    else:
+        from openvino_peer import Generator
+    gen = Generator(Path(paths[0]), ids, new, threads)
+    def generate():
+        tokens, steps = gen.generate()
+        return tokens, steps, gen.last_prefill_s
 elif kind == "npuc":
     from npuc.runtime import Session
     from npuc.apps.generate import steps as gen_steps
@@ -56,9 +63,11 @@ elif kind == "npuc":
             t1 = time.perf_counter()
             if i > 0:  # the first token comes from prefill
                 steps.append(t1 - t0)
+            else:
+                prefill = t1 - t0
             tokens.append(tok)
             t0 = time.perf_counter()
-        return tokens, steps
+        return tokens, steps, prefill
 elif kind == "hf":
     import transformers
     from transformers import StaticCache
@@ -66,9 +75,11 @@ elif kind == "hf":
     def generate():
         with torch.no_grad():
             cache = StaticCache(config=model.config, max_cache_len=max_len)
+            t0 = time.perf_counter()
             out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
                         cache_position=torch.arange(len(ids)))
             tok = int(out.logits[0, -1].argmax())
+            prefill = time.perf_counter() - t0
             tokens, steps = [tok], []
             for i in range(new - 1):
                 t0 = time.perf_counter()
@@ -77,25 +88,29 @@ elif kind == "hf":
                 tok = int(out.logits[0, -1].argmax())
                 steps.append(time.perf_counter() - t0)
                 tokens.append(tok)
-        return tokens, steps
+        return tokens, steps, prefill
 else:
     from ort_llama import OrtLlama
     ort = OrtLlama(paths[0], paths[1], threads)
     def generate():
         tokens, steps = ort.generate(ids, new)
-        return [int(t) for t in tokens], list(steps)
+        return [int(t) for t in tokens], list(steps), ort.last_prefill_s
 generate()
 print("ready", flush=True)
 for _ in sys.stdin:
-    tokens, steps = generate()
-    print(json.dumps({"tokens": tokens, "steps": steps}), flush=True)
+    tokens, steps, prefill = generate()
+    print(json.dumps({"tokens": tokens, "steps": steps, "prefill": prefill}), flush=True)
 """
 
 
 def start_worker(python: str | None, script: str, args: list[str]) -> subprocess.Popen[str]:
     """A worker (`python -c script BENCH args...`) that has answered "ready"."""
-    p = subprocess.Popen([python or sys.executable, "-c", script, str(BENCH), *args], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [python or sys.executable, "-c", script, str(BENCH), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None
     line = p.stdout.readline().strip()
     if line != "ready":
@@ -113,9 +128,12 @@ def ask(p: subprocess.Popen[str]) -> str:
     return p.stdout.readline()
 
 
-def _start(kind: str, paths: list[str], python: str | None, threads: int, ids: list[int], new: int, max_len: int
-           ) -> subprocess.Popen[str]:
-    return start_worker(python, _WORKER, [kind, str(threads), json.dumps(ids), str(new), str(max_len), *paths])
+def _start(
+    kind: str, paths: list[str], python: str | None, threads: int, ids: list[int], new: int, max_len: int
+) -> subprocess.Popen[str]:
+    return start_worker(
+        python, _WORKER, [kind, str(threads), json.dumps(ids), str(new), str(max_len), *paths]
+    )
 
 
 def _generate(p: subprocess.Popen[str]) -> dict[str, Any]:
@@ -141,12 +159,19 @@ def _pct(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(round(q / 100 * (len(ys) - 1))))]
 
 
-def interleaved(systems: dict[str, tuple[str, list[str], str | None]], ids: list[int], new: int, max_len: int,
-                threads: int, rounds: int = 9) -> dict[str, Any]:
+def interleaved(
+    systems: dict[str, tuple[str, list[str], str | None]],
+    ids: list[int],
+    new: int,
+    max_len: int,
+    threads: int,
+    rounds: int = 9,
+) -> dict[str, Any]:
     """`systems`: label -> (kind, model paths, the python to run it, None: this one): kind
     npuc (an .om), hf (a checkpoint folder), ort (prefill and decode ONNX, bench/ort_llama.py)
-    or llamacpp (a GGUF, bench/llamacpp.py; its python has llama-cpp-python). Every
-    system's generations, timed in turn."""
+    llamacpp (a GGUF, bench/llamacpp.py; its python has llama-cpp-python) or openvino (a
+    folder exported by optimum-intel, bench/openvino_peer.py; its python has openvino-genai).
+    Every system's generations, timed in turn."""
     names = list(systems)
     procs: dict[str, subprocess.Popen[str]] = {}
     gens: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -154,8 +179,8 @@ def interleaved(systems: dict[str, tuple[str, list[str], str | None]], ids: list
         for n in names:
             procs[n] = _start(*systems[n], threads, ids, new, max_len)
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in (order if r % 2 == 0 else order[::-1]):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in order if r % 2 == 0 else order[::-1]:
                 gens[n].append(_generate(procs[n]))
     finally:
         stop_workers(procs.values(), 60)
@@ -164,11 +189,18 @@ def interleaved(systems: dict[str, tuple[str, list[str], str | None]], ids: list
         tps = [len(g["steps"]) / sum(g["steps"]) for g in gens[n]]
         steps = [x for g in gens[n] for x in g["steps"]]
         out["systems"][n] = {
-            "tok_per_s_rounds": tps, "tok_per_s": statistics.median(tps),
-            "p50_ms": 1e3 * _pct(steps, 50), "p99_ms": 1e3 * _pct(steps, 99),
-            "p99_p50_per_generation": statistics.median(_pct(g["steps"], 99) / _pct(g["steps"], 50) for g in gens[n]),
+            "tok_per_s_rounds": tps,
+            "tok_per_s": statistics.median(tps),
+            "p50_ms": 1e3 * _pct(steps, 50),
+            "p99_ms": 1e3 * _pct(steps, 99),
+            "p99_p50_per_generation": statistics.median(
+                _pct(g["steps"], 99) / _pct(g["steps"], 50) for g in gens[n]
+            ),
+            "prefill_s_rounds": [g["prefill"] for g in gens[n]],
+            "prefill_ms": 1e3 * statistics.median(g["prefill"] for g in gens[n]),
             "tokens": gens[n][0]["tokens"],
-            "same_tokens_every_round": all(g["tokens"] == gens[n][0]["tokens"] for g in gens[n])}
+            "same_tokens_every_round": all(g["tokens"] == gens[n][0]["tokens"] for g in gens[n]),
+        }
     return out
 
 
@@ -178,11 +210,21 @@ def ratio(turns: dict[str, Any], a: str, b: str) -> dict[str, float]:
     return median_quartiles([x / y for x, y in zip(ta, tb, strict=True)])
 
 
+def prefill_ratio(turns: dict[str, Any], a: str, b: str) -> dict[str, float]:
+    """Per-round ratio of a's prefill time to b's (the prompt to its first token): median and quartiles."""
+    ta, tb = turns["systems"][a]["prefill_s_rounds"], turns["systems"][b]["prefill_s_rounds"]
+    return median_quartiles([x / y for x, y in zip(ta, tb, strict=True)])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("systems", nargs="+",
-                    help="kind:path[,path] (npuc:X.om, hf:DIR, ort:PREFILL,DECODE, llamacpp:X.gguf)")
+    ap.add_argument(
+        "systems",
+        nargs="+",
+        help="kind:path[,path] (npuc:X.om, hf:DIR, ort:PREFILL,DECODE, llamacpp:X.gguf, openvino:DIR)",
+    )
     ap.add_argument("--llamacpp-python", default=None, help="the python for llamacpp systems")
+    ap.add_argument("--openvino-python", default=None, help="the python for openvino systems")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -193,8 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     specs = {}
     for spec in args.systems:
         kind, _, paths = spec.partition(":")
-        specs[spec] = (kind, paths.split(","), args.llamacpp_python if kind == "llamacpp" else None)
-    print(json.dumps(interleaved(specs, B.prompt_ids(s), s.new, s.max_len, args.threads, args.rounds), indent=2))
+        python = {"llamacpp": args.llamacpp_python, "openvino": args.openvino_python}.get(kind)
+        specs[spec] = (kind, paths.split(","), python)
+    print(
+        json.dumps(interleaved(specs, B.prompt_ids(s), s.new, s.max_len, args.threads, args.rounds), indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ class OrtLlama:
     """
 
     def __init__(self, prefill_path: str, decode_path: str, threads: int, use_iobinding: bool = True) -> None:
+        self.last_prefill_s = 0.0  # generate()'s, the prompt to its first token
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -286,8 +287,10 @@ class OrtLlama:
         """
         if len(prompt) + new - 1 > self.max_len:
             raise ValueError("prompt + new tokens exceed the cache length")
+        t0 = time.perf_counter()
         logits = self.prefill(np.asarray(prompt, dtype=np.int64)[None, :])
         tok = int(np.argmax(logits))
+        self.last_prefill_s = time.perf_counter() - t0
         tokens = [tok]
         times: list[float] = []
         pos = len(prompt)
