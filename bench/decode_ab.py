@@ -53,9 +53,10 @@ if kind in ("llamacpp", "openvino"):
         tokens, steps = gen.generate()
         return tokens, steps, gen.last_prefill_s
 elif kind == "npuc":
-    from npuc.runtime import Session
     from npuc.apps.generate import steps as gen_steps
-    sess = Session.load(paths[0])
+    from npuc.runtime.executor import open_session
+    # what npuc.load gives users: the C executor (libnpucrt), the torch interpreter where it refuses
+    sess = open_session(paths[0], threads=threads)
     def generate():
         tokens, steps = [], []
         t0 = time.perf_counter()

@@ -43,7 +43,7 @@
 
 #define I8_ROWS 8  /* output channels a panel */
 #define I8_BLOCK 32
-#define I8_MR 4    /* activation rows a tile */
+#define I8_MR 8    /* activation rows a tile, at most */
 
 /* Bytes of one (panel, block): the codes, then 8 f16 scales and 8 u8 zero points. */
 static i64 block_bytes(int bits) { return (bits == 8 ? 256 : 128) + I8_ROWS * 2 + I8_ROWS; }
@@ -171,9 +171,13 @@ static inline void load_quads(const uint8_t *blk, int bits, __m256i *w) {
 static inline __m256i block_dot(const __m256i *w, const int8_t *x, int bits) {
 #ifdef I8_DPBUSD
     (void)bits;
-    __m256i acc = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) acc = I8_DPBUSD(acc, w[j], bcast4(x + 4 * j));
-    return acc;
+    /* two chains of four: a block's dot waits on half as many dependent vpdpbusd */
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        a0 = I8_DPBUSD(a0, w[j], bcast4(x + 4 * j));
+        a1 = I8_DPBUSD(a1, w[j + 1], bcast4(x + 4 * j + 4));
+    }
+    return _mm256_add_epi32(a0, a1);
 #else
     /* vpmaddubsw adds two u8 x s8 products into an i16 that saturates: 4-bit codes (<= 15)
      * cannot reach it; 8-bit ones are taken signed (u8 ^ 0x80) by the sign trick, |w| x
@@ -204,41 +208,48 @@ static inline int block_dot_offset(int bits) {
 #endif
 }
 
+/* One panel of 8 outputs against MR activation rows (MR a constant where it is inlined, so
+ * that the accumulators stay in registers): the panel's codes are unpacked once a block and
+ * serve all MR rows. */
+static inline __attribute__((always_inline)) void i8_tile(const i8_job *j, i64 pn, i64 m0, const int MR) {
+    const i64 blocks = j->K / I8_BLOCK, bb = block_bytes(j->bits), cb = j->bits == 8 ? 256 : 128;
+    const uint8_t *panel = j->packed + pn * blocks * bb;
+    const __m256i off = _mm256_set1_epi32(block_dot_offset(j->bits));
+    __m256 acc[I8_MR];
+    for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+    for (i64 b = 0; b < blocks; b++) {
+        const uint8_t *blk = panel + b * bb;
+        if (b + 2 < blocks) _mm_prefetch((const char *)(blk + 2 * bb), _MM_HINT_T0);
+        __m256i w[8];
+        load_quads(blk, j->bits, w);
+        __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + cb)));
+        __m256i zp = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + cb + 16))), off);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; m++) {
+            i64 row = (m0 + m) * blocks + b;
+            __m256i d = block_dot(w, j->q + (m0 + m) * j->K + b * I8_BLOCK, j->bits);
+            d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zp, _mm256_set1_epi32(j->sum[row])));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, _mm256_set1_ps(j->sx[row])), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        float out[I8_ROWS];
+        _mm256_storeu_ps(out, acc[m]);
+        store_row8(j, m0 + m, pn * I8_ROWS, out);
+    }
+}
+
 static void i8_chunk(const void *p, i64 c, int tid) {
     (void)tid;
     const i8_job *j = p;
-    const i64 blocks = j->K / I8_BLOCK, bb = block_bytes(j->bits), cb = j->bits == 8 ? 256 : 128;
     const i64 panels = (j->N + I8_ROWS - 1) / I8_ROWS;
     i64 lo = c * j->per, hi = lo + j->per < panels ? lo + j->per : panels;
-    const int off = block_dot_offset(j->bits);
     for (i64 pn = lo; pn < hi; pn++) {
-        const uint8_t *panel = j->packed + pn * blocks * bb;
-        for (i64 m0 = 0; m0 < j->M; m0 += I8_MR) {
-            int mr = j->M - m0 < I8_MR ? (int)(j->M - m0) : I8_MR;
-            __m256 acc[I8_MR];
-            for (int m = 0; m < I8_MR; m++) acc[m] = _mm256_setzero_ps();
-            for (i64 b = 0; b < blocks; b++) {
-                const uint8_t *blk = panel + b * bb;
-                if (b + 2 < blocks) _mm_prefetch((const char *)(blk + 2 * bb), _MM_HINT_T0);
-                __m256i w[8];
-                load_quads(blk, j->bits, w);
-                __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + cb)));
-                __m256i zp = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + cb + 16)));
-                zp = _mm256_sub_epi32(zp, _mm256_set1_epi32(off));
-                for (int m = 0; m < mr; m++) {
-                    i64 row = (m0 + m) * blocks + b;
-                    __m256i d = block_dot(w, j->q + (m0 + m) * j->K + b * I8_BLOCK, j->bits);
-                    d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zp, _mm256_set1_epi32(j->sum[row])));
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, _mm256_set1_ps(j->sx[row])),
-                                             acc[m]);
-                }
-            }
-            for (int m = 0; m < mr; m++) {
-                float out[I8_ROWS];
-                _mm256_storeu_ps(out, acc[m]);
-                store_row8(j, m0 + m, pn * I8_ROWS, out);
-            }
-        }
+        i64 m0 = 0;
+        for (; j->M - m0 >= 8; m0 += 8) i8_tile(j, pn, m0, 8);
+        if (j->M - m0 >= 4) i8_tile(j, pn, m0, 4), m0 += 4;
+        if (j->M - m0 >= 2) i8_tile(j, pn, m0, 2), m0 += 2;
+        if (j->M - m0 >= 1) i8_tile(j, pn, m0, 1);
     }
 }
 #else
