@@ -49,9 +49,18 @@ class GenerationInfo:
     recurrent: bool = False
 
 
-def _vocab(s: Session, ids_name: str) -> int:
+def _vocab(s: Session | NativeSession, ids_name: str) -> int:
     """Token ids the model can embed: the rows of the table the ids index, else the logits' width."""
-    return s.index_rows("prefill").get(ids_name) or int(s.programs["prefill"].outputs[0].shape[-1])
+    rows = s.index_rows("prefill").get(ids_name) if hasattr(s, "index_rows") else None
+    return rows or int(s.programs["prefill"].outputs[0].shape[-1])
+
+
+def logits_f32(x: Any) -> Any:
+    """Logits as numbers: the C executor hands bf16 out as its 16 bits (numpy has no bf16),
+    which argmax and the samplers must not read as integers; anything else as it is."""
+    if isinstance(x, np.ndarray) and x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x
 
 
 def copy_row(x: Any) -> Any:
@@ -61,12 +70,21 @@ def copy_row(x: Any) -> Any:
 
 def generation_info(s: Session | NativeSession) -> GenerationInfo:
     if hasattr(s, "generation"):  # the C executor read it from the file at load
-        g = s.generation()
-        ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
-        takes, last = _last_row(s)
-        return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last, takes,
-                              bool(s.metadata("recurrent_state")))
-    meta = {m.key: m.value for m in s.model.metadata}
+        try:
+            g = s.generation()
+        except NpucError as e:
+            # libnpucrt's own decode loop reads f32 logits only; a 16-bit model's programs still run
+            # on it, stepped from here (below), when the file has them
+            if e.code != "NPUC-E0111" or s.metadata("max_seq_len") is None:
+                raise
+        else:
+            ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
+            takes, last = _last_row(s)
+            return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last, takes,
+                                  bool(s.metadata("recurrent_state")))
+        meta = {k: v for k in ("max_seq_len", "eos_token_id", "recurrent_state") if (v := s.metadata(k)) is not None}
+    else:
+        meta = {m.key: m.value for m in s.model.metadata}
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
         raise NpucError("NPUC-E0111", "the model has no prefill and decode programs to generate with",
                         "compile it with --max_seq_len N", exit_code=EXIT_USAGE)
@@ -139,7 +157,8 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
     feeds = {info.ids_name: first}
     if info.takes_last:
         feeds[LAST_TOKEN] = np.array([n - 1], dtype=np.int64)
-    logits = s.run(feeds, "prefill", copy_outputs=keep_logits)["logits"][0, 0 if info.last_token else n - 1]
+    logits = logits_f32(s.run(feeds, "prefill", copy_outputs=keep_logits)["logits"][0, 0 if info.last_token
+                                                                                     else n - 1])
     decode = s.programs["decode"]
     pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
 
@@ -147,7 +166,7 @@ def steps(s: Session, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bo
         out = s.run({info.ids_name: np.array([[token]], dtype=np.int64), pos_name: np.array([pos], dtype=np.int64)},
                     "decode",
                     copy_outputs=keep_logits)
-        return out["logits"][0, -1]
+        return logits_f32(out["logits"][0, -1])
 
     for pos in range(n, len(prompt)):  # the rest of a long prompt
         logits = step(prompt[pos], pos)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info
+from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info, logits_f32
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs
 from npuc.errors import EXIT_USAGE, NpucError
 
@@ -224,8 +224,8 @@ class Scheduler:
                 self._ids[k, i] = r.feed[j] if r is not None else 0
                 pos[k, i] = r.pos + j if r is not None else 0
             self._fed[k] = n
-        logits = self.session.run({self._ids_name: self._ids, self._pos_name: self._pos}, "decode",
-                                  copy_outputs=False)["logits"]
+        logits = logits_f32(self.session.run({self._ids_name: self._ids, self._pos_name: self._pos}, "decode",
+                                             copy_outputs=False)["logits"])
         for k, r in enumerate(self._running):
             if r is None:
                 continue
@@ -265,7 +265,7 @@ class Scheduler:
         if self._slotted:
             self._slot[0] = k
             feeds[SLOT] = self._slot
-        rows = self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0]
+        rows = logits_f32(self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0])
         logits = rows[0 if info.last_token else n - 1]
         if r.prompt_logprobs:  # row i scores prompt token i + 1
             r.prompt_lp = [token_logprobs(rows[i], r.prompt[i + 1], r.logprobs) for i in range(min(n, len(r.prompt) - 1))]

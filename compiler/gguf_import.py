@@ -519,9 +519,11 @@ def _deepseek_config(g: GgufFile, kw: dict[str, Any]) -> str:
 
 
 def model_dtype(g: GgufFile) -> torch.dtype:
-    """f16 (bf16) when every matrix is stored F16 (BF16), as a checkpoint of that dtype would
-    be compiled; f32 otherwise (llama.cpp computes in f32 over quantized weights too)."""
-    kinds = {t.type_name for t in g.tensors.values() if len(t.shape) >= 2}
+    """f16 (bf16) when every tensor is stored F16 (BF16), so that nothing is rounded on the
+    way in; f32 otherwise (llama.cpp computes in f32 too), which is the case of llama.cpp's
+    own F16 and BF16 files: their norms are F32, and rounding them would run the model on
+    other weights than the file's (docs/gguf.md)."""
+    kinds = {t.type_name for t in g.tensors.values()}
     if kinds == {"F16"}:
         return torch.float16
     if kinds == {"BF16"}:

@@ -234,7 +234,7 @@ def write_gguf(path: Path, model: Any, types: dict[str, str], tokenizer: Any = N
         qk = arch == "llama" and ("q_proj" in name or "k_proj" in name)
         if qk:
             x = permute(x, heads)
-        t = types.get(name, "F32") if x.ndim == 2 else "F32"
+        t = types.get(name, "F32")  # 1-D tensors F32 unless named (llama.cpp keeps them so)
         data = encode(x, t)
         back = decode(data, t).reshape(x.shape)
         ref[name] = unpermute(back, heads) if qk else back

@@ -34,6 +34,7 @@ from npuc.compiler.gguf_import import (  # noqa: E402
     SUPPORTED_TYPES,
     float_rows,
     load_gguf,
+    model_dtype,
     qk_rows_order,
     read_gguf,
     treatments,
@@ -134,13 +135,15 @@ def test_every_weight_reads_as_ggufs_dequantized_value(models: dict[str, Any], t
     types = {n: type_name for n, p in model.named_parameters() if p.dim() == 2}
     want = write_gguf(tmp_path / "m.gguf", model, types)
     loaded = load_gguf(tmp_path / "m.gguf")
-    dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(type_name, torch.float32)  # the model's
+    # the model's dtype: f32, since the norms are F32 (an F16 matrix is widened, not its norms rounded)
+    dtype = torch.float32
+    assert model_dtype(read_gguf(tmp_path / "m.gguf")) == dtype
     for name, w in want.items():
         src = loaded.sources[name]
         assert torch.equal(src.load(), torch.from_numpy(w).to(dtype)), name
         if len(w.shape) == 2 and type_name in KEPT:
             assert isinstance(src, QuantizedWeight) and src.bits == KEPT[type_name].bits, name
-        elif len(w.shape) == 2 and type_name in ("F32", "F16", "BF16"):
+        elif len(w.shape) == 2 and type_name == "F32":
             permuted = arch == "llama" and ("q_proj" in name or "k_proj" in name)
             where = src.file_range(TensorType(tuple(w.shape), DType.from_torch(dtype)))
             assert (where is None) == permuted, name  # copied file to file unless its rows are reordered
@@ -342,3 +345,19 @@ def test_conversions_by_row_blocks_equal_whole(monkeypatch: pytest.MonkeyPatch) 
             parts += list(gguf_import.by_rows(KEPT[t].convert)(torch.from_numpy(data.copy())))
         monkeypatch.undo()
         assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True)), t
+
+
+def test_a_bf16_file_generates_alike_on_both_executors(models: dict[str, Any], tmp_path: Path) -> None:
+    """An all-BF16 file compiles to a bf16 model, whose logits leave the C executor as their
+    16 bits: generation must read them as numbers (the torch executor's tokens are the check)."""
+    from npuc.runtime import Session
+    from npuc.runtime.native_session import NativeSession
+
+    model = models["llama"]
+    write_gguf(tmp_path / "b.gguf", model, {n: "BF16" for n in model.state_dict()})  # the norms too
+    assert model_dtype(read_gguf(tmp_path / "b.gguf")) == torch.bfloat16
+    om = compile_model(str(tmp_path / "b.gguf"), input_shape="input_ids:1,8", max_seq_len=24,
+                       output=str(tmp_path / "b"), soc_version="cpu")
+    prompt = [5, 17, 3, 99, 42, 7, 64, 11]
+    want = generate(Session.load(om), prompt, 8, ignore_eos=True)
+    assert generate(NativeSession(om), prompt, 8, ignore_eos=True) == want
