@@ -131,6 +131,11 @@ _MODEL_OPTIONS = [
                  help="With --max_seq_len: the tokens of each slot a decode step runs (default 1). C > 1 lets a "
                       "new request's prompt go through the decode steps beside the slots decoding (chunked "
                       "prefill, `npuc serve`)."),
+    click.option("--kv_cache_dtype", "--kv-cache-dtype", "kv_cache_dtype", default=None,
+                 metavar="auto|f32|bf16|f16|int8",
+                 help="With --max_seq_len: the KV cache's dtype. auto (default) follows --precision_mode (f32, or "
+                      "bf16/f16 under the mixed modes); int8 stores each head's row per token as int8 codes with an "
+                      "f32 scale, a quarter of f32's bytes (docs/precision.md)."),
     click.option("--tp", "tp", type=int, default=None, metavar="N",
                  help="Tensor parallel over N ranks: one .om per rank (<output>.rankR.om) and <output>.om naming "
                       "them; run with `torchrun --nproc-per-node N -m npuc ...` or `npuc generate --tp N` "
@@ -216,7 +221,7 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
                   decode_tokens=opts["decode_tokens"], out_nodes=opts["out_nodes"],
                   input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
                   quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"],
-                  trust_pickle=opts["trust_pickle"])
+                  kv_cache_dtype=opts["kv_cache_dtype"], trust_pickle=opts["trust_pickle"])
     if mode == "3":
         return _precheck(source, opts["json_out"], common, opts["diagnostics_format"])
     from npuc.compiler.driver import compile_model

@@ -646,6 +646,7 @@ def compile_model(
     group_size: int | None = None,
     quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
     quant_strict: bool = False,
+    kv_cache_dtype: str | None = None,
     out_nodes: str | Sequence[str] | None = None,
     input_format: str = "ND",
     depfile: str | os.PathLike[str] | None = None,
@@ -673,6 +674,9 @@ def compile_model(
     (32, 64, 128) stores matrix weights as integers (passes/quantize.py); `quant_exclude`
     names weights or nodes to leave as they are (a file, one a line, or a list), and
     `quant_strict` refuses a weight the group does not fit instead of storing it in int8.
+    `kv_cache_dtype` (with `max_seq_len`): the key and value caches' dtype, "auto" (the
+    default: the model's, converted with its attention by the precision mode), "f32",
+    "bf16", "f16" or "int8" (per head and per token, with scales; docs/precision.md).
     `out_nodes` ("name;name:1", ATC's syntax) picks the
     graph outputs; `input_format` (ND, NCHW) is checked against the inputs and recorded.
     `depfile` gets Make rules naming every file read (plus `extra_deps`, e.g. a config
@@ -692,10 +696,11 @@ def compile_model(
     quant = check_quant(quant_type, group_size)
     exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
     quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict), quant[2]) if quant else None
+    kv_dtype = check_kv_cache_dtype(kv_cache_dtype, max_seq_len)
     input_format = check_input_format(input_format)
     world, expert_parallel = sharded.check_parallel(tp, ep)
     passes = pipelines(mode, keep, target, max_seq_len, prefill_logits=prefill_logits,
-                       quantize=quantize)[0]  # for --dump-ir-after
+                       quantize=quantize, kv_cache_dtype=kv_dtype)[0]  # for --dump-ir-after
     dumper = instrument.IRDumper.create(dump_ir_after, dump_dir, passes)
     out_path = os.fspath(output)
     if not out_path.endswith(".om"):
@@ -721,13 +726,15 @@ def compile_model(
                      max_seq_len=max_seq_len, decode_tokens=decode_tokens, soc_version=soc_version,
                      out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
+                     kv_cache_dtype=KV_CACHE_DTYPE_NAMES[kv_dtype] if kv_dtype is not None else None,
                      quant_exclude=exclude or None,
                      input_format=None if input_format == "ND" else input_format,
                      tp=world if world > 1 else None, ep=(world if expert_parallel else 1) if world > 1 else None)
     extra: dict[str, bytes] = {}
     if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
-        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize)
+        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize,
+                                          kv_dtype)
         graph.name = "prefill"
         decode_graph.name = "decode"
         gen_meta, read = _generation_meta(model, max_seq_len)
@@ -853,12 +860,13 @@ def _probe_first(probe: Graph, passes: list[Pass], debug: bool) -> list[Pass]:
 
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
               trace: LongTrace | None = None, prefill_logits: str | None = None,
-              quantize: Quantize | None = None) -> list[list[Pass]]:
+              quantize: Quantize | None = None, kv_cache_dtype: DType | None = None) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
     decode over a KV cache of that many positions (the RoPE tables and attention windows
     from build_programs).
     `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
-    last row's logits where the model allows, "last" insists, "all" keeps every row."""
+    last row's logits where the model allows, "last" insists, "all" keeps every row.
+    `kv_cache_dtype` as check_kv_cache_dtype returns it (None: auto)."""
     if max_seq_len is None:
         return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize,
                                  quant_activations=target.quant_activations)]
@@ -868,8 +876,8 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, trace.tables, position, trace.windows,
                                      trace.decode_positions, trace.layers, trace.alibi, trace.slots,
-                                     trace.decode_tokens) if trace else
-                             KVCache(role, cache_len, (), position),
+                                     trace.decode_tokens, kv_cache_dtype) if trace else
+                             KVCache(role, cache_len, (), position, cache_dtype=kv_cache_dtype),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,
                              decode_check=DecodeCheck(role, probe,
@@ -894,6 +902,28 @@ def check_decode_tokens(decode_tokens: Any, max_seq_len: int | None) -> None:
     if max_seq_len is None:
         raise NpucError("NPUC-E0124", "--decode_tokens needs --max_seq_len", "add --max_seq_len N",
                         exit_code=EXIT_USAGE)
+
+
+# --kv_cache_dtype's choices: auto (None: the model's dtype, converted by the precision mode)
+# and the cache layouts of ir/fused_ops.py (int8: packed rows with their scales).
+KV_CACHE_DTYPES: dict[str, DType | None] = {"auto": None, "f32": DType.f32, "bf16": DType.bf16,
+                                            "f16": DType.f16, "int8": DType.i8}
+KV_CACHE_DTYPE_NAMES = {dt: name for name, dt in KV_CACHE_DTYPES.items() if dt is not None}
+
+
+def check_kv_cache_dtype(value: str | None, max_seq_len: int | None) -> DType | None:
+    """--kv_cache_dtype as the KV-cache pass takes it: None for auto (or not given)."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v not in KV_CACHE_DTYPES:
+        raise NpucError("NPUC-E0133", f"--kv_cache_dtype {value!r} is not one npuc knows",
+                        "use one of: " + ", ".join(KV_CACHE_DTYPES), exit_code=EXIT_USAGE)
+    dt = KV_CACHE_DTYPES[v]
+    if dt is not None and max_seq_len is None:
+        raise NpucError("NPUC-E0133", f"--kv_cache_dtype {v} needs --max_seq_len: without it the .om has no KV "
+                        "cache", "add --max_seq_len N, or leave --kv_cache_dtype out", exit_code=EXIT_USAGE)
+    return dt
 
 
 PREFILL_LOGITS = ("last", "all")

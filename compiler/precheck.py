@@ -24,6 +24,7 @@ from npuc.compiler.driver import (
     check_decode_tokens,
     check_input_format,
     check_input_layout,
+    check_kv_cache_dtype,
     check_max_seq_len,
     check_prefill_logits,
     pipelines,
@@ -69,7 +70,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              input_format: str = "ND", quant_type: str | None = None, group_size: int | None = None,
              quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
              quant_strict: bool = False, trust_pickle: bool = False,
-             decode_tokens: int | None = None) -> PrecheckReport:
+             decode_tokens: int | None = None, kv_cache_dtype: str | None = None) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -90,6 +91,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     attempt("decode_tokens", lambda: check_decode_tokens(decode_tokens, max_seq_len), None)
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
+    kv_dtype = attempt("kv_cache_dtype", lambda: check_kv_cache_dtype(kv_cache_dtype, max_seq_len), None)
     exclude = attempt("quant_exclude", lambda: read_keep_dtype(quant_exclude, "--quant_exclude"), frozenset[str]())
     quantize = Quantize(quant[0], quant[1], exclude, bool(quant_strict), quant[2]) if quant else None
     fmt = attempt("input format", lambda: check_input_format(input_format), "ND")
@@ -112,7 +114,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
             tables = dataclasses.replace(tables, decode_tokens=decode_tokens or 1)
             select_outputs(dg, out_nodes)
             for g, passes in zip((graph, dg), pipelines(mode, keep, target, max_seq_len, tables, rows,
-                                                                      quantize), strict=True):
+                                                                      quantize, kv_dtype), strict=True):
                 graphs.append(instrument.run_pipeline(g, passes).graph)
         attempt("generation (prefill + decode)", decode, None)
     else:

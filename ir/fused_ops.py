@@ -251,9 +251,58 @@ def _check_alibi(name: str, attrs: A, heads: int) -> None:
         raise ShapeError(f"{name} has {len(attrs['alibi'])} ALiBi slopes for {heads} query heads")
 
 
+# -- the KV cache's layouts (docs/precision.md, --kv_cache_dtype) --------------------------
+#
+# A cache is f32, bf16 or f16 rows of D values, or packed int8 rows of D + 4 bytes: each
+# row (one slot, head and position) starts with its f32 scale (little-endian, 4-byte aligned
+# where D % 4 == 0) and then holds its D codes. The row x quantizes per head and per token:
+# scale = max|x| / 127 (0 for a row of zeros), code = clamp(round_half_even(x / scale),
+# -127, 127), and reads back as code * scale. libnpucrt's kernels match these.
+
+KV_SCALE_BYTES = 4
+# The caches a cached op reads or writes besides one of its own operands' dtype, and the
+# operand dtypes it converts them from or to.
+KV_CACHE_DTYPES = frozenset({DType.f32, DType.bf16, DType.f16, DType.i8})
+_KV_ROW_DTYPES = frozenset({DType.f32, DType.bf16})
+
+
+def kv_row_bytes(dtype: DType, d: int) -> int:
+    """Bytes of one cached row of d values in a cache of `dtype` (i8: packed, with its scale)."""
+    return d + KV_SCALE_BYTES if dtype == DType.i8 else d * dtype.itemsize
+
+
+def kv_cache_width(dtype: DType, d: int) -> int:
+    """The cache's last dim for rows of d values: D + 4 bytes for packed int8, else D."""
+    return d + KV_SCALE_BYTES if dtype == DType.i8 else d
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Float rows [..., D] as packed int8 rows [..., D + 4]: each row's f32 scale, then its codes."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+    nonzero = scale > 0
+    codes = torch.where(nonzero, torch.round(xf / torch.where(nonzero, scale, 1.0)), 0.0).clamp_(-127, 127)
+    # the scale's 4 bytes in the host's order: libnpucrt targets little-endian hosts only
+    return torch.cat([scale.contiguous().view(torch.int8), codes.to(torch.int8)], dim=-1)
+
+
+def dequantize_kv_rows(c: torch.Tensor) -> torch.Tensor:
+    """Packed int8 rows [..., D + 4] as f32 rows [..., D]: code * scale."""
+    scale = c[..., :KV_SCALE_BYTES].contiguous().view(torch.float32)  # [..., 1]
+    return c[..., KV_SCALE_BYTES:].float() * scale
+
+
+def kv_rows_f32(cache: torch.Tensor) -> torch.Tensor:
+    """A cache in any layout as f32 rows [..., D] (the reference's widening)."""
+    return dequantize_kv_rows(cache) if cache.dtype == torch.int8 else cache.float()
+
+
 def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     cache, new, pos = xs[:3]
-    new = new.to(cache.dtype)
+    if cache.dtype == torch.int8:  # packed rows: quantized per head and per token
+        new = quantize_kv_rows(new)
+    else:  # round to nearest even into a half cache
+        new = new.to(cache.dtype)
     if new.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
         new = new.clone()  # rows of the cache itself, viewed (a conv window moving on: recurrent_state.py)
     if len(xs) > 3:  # one sequence into its slot
@@ -266,16 +315,25 @@ def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     return cache
 
 
+def _converts_rows(cache: DType, rows: DType) -> bool:
+    """Whether a cached op may read or write a cache of `cache` beside operands of `rows`
+    (same dtype: any cache, as always; otherwise a KV cache layout beside f32/bf16 rows)."""
+    return (cache == rows and cache != DType.i8) or (cache in KV_CACHE_DTYPES and rows in _KV_ROW_DTYPES)
+
+
 @op("kv_write", ("cache", "new", "position", "slot?"), kernel=_kv_write_kernel, unit="dma", inplace=0,
     flops=lambda i, o, a: 0,
     doc="the KV cache with new's rows written at the given positions (in place): cache [b,h,max_len,d], "
         "new [b,h,s,d], position i64 [s] or [b,s] (each sequence at its own); with slot i64 [1], new is "
-        "one sequence [1,h,s,d] written into cache[slot]")
+        "one sequence [1,h,s,d] written into cache[slot]. A cache of another dtype than new's (new f32 or bf16): "
+        "f32, bf16 or f16 rows (rounded to nearest even), or i8 rows of d + 4 bytes, each an f32 scale "
+        "(max|row| / 127) then d codes round(x / scale) in -127..127")
 def _kv_write(ins: T, attrs: A) -> list[TensorType]:
     cache, new, pos = ins[:3]
     slot = ins[3] if len(ins) > 3 else None
-    if cache.rank != 4 or new.rank != 4 or cache.shape[1] != new.shape[1] or cache.shape[3] != new.shape[3] \
-            or new.shape[2] > cache.shape[2] or cache.dtype != new.dtype \
+    if cache.rank != 4 or new.rank != 4 or cache.shape[1] != new.shape[1] \
+            or cache.shape[3] != kv_cache_width(cache.dtype, new.shape[3]) \
+            or new.shape[2] > cache.shape[2] or not _converts_rows(cache.dtype, new.dtype) \
             or new.shape[0] != (1 if slot is not None else cache.shape[0]):
         raise ShapeError(f"kv_write rows {new} do not fit cache {cache}" + (" (one sequence, into a slot)" if slot
                                                                            is not None else ""))
@@ -288,6 +346,11 @@ def _kv_write(ins: T, attrs: A) -> list[TensorType]:
 
 def _cached_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     q, kc, vc, pos = xs[:4]
+    if kc.dtype != q.dtype or kc.dtype == torch.int8:
+        # a cache of another layout than q's dtype: its rows read as f32 (int8: code * scale),
+        # the scores and softmax in f32, the result rounded once to q's dtype
+        out = _cached_attention_kernel([q.float(), kv_rows_f32(kc), kv_rows_f32(vc), *xs[3:]], a)
+        return out.to(q.dtype)
     # Query i sees cached keys 0..position[i] (the last `window` of them with a window): the
     # causal mask, offset by where the chunk starts. A half cache is computed in f32 and
     # rounded once (_sdpa_kernel).
@@ -307,7 +370,9 @@ def _cached_attention_flops(ins: T, outs: T, attrs: A) -> int:
     kernel=_cached_attention_kernel, flops=_cached_attention_flops, unit="cube",
     doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i] "
         "(position[i]-window+1.. with a sliding window; scores soft-capped, sinks and ALiBi as fused_attention's, from position[i]); "
-        "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s] or [b,s] (each sequence at its own)")
+        "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s] or [b,s] (each sequence at its own). "
+        "Caches of another dtype than q's (q f32 or bf16; k and v alike): f32, bf16, f16, or i8 rows of d + 4 "
+        "bytes (kv_write's), read as code * scale; scores and softmax in f32, the result in q's dtype")
 def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     q, kc, vc, pos = ins[:4]
     if len(ins) == 5 and (ins[4].shape != (q.shape[1],) or not ins[4].dtype.is_float):
@@ -315,13 +380,17 @@ def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     if attrs["window"] < 0 or attrs["softcap"] < 0:
         raise ShapeError("cached_attention's window is a number of keys (>= 0), its softcap >= 0")
     if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] or q.shape[0] != kc.shape[0] \
-            or q.shape[-1] != kc.shape[-1] or q.shape[1] % kc.shape[1]:
+            or kc.shape[-1] != kv_cache_width(kc.dtype, q.shape[-1]) or q.shape[1] % kc.shape[1] \
+            or vc.shape[-1] < kv_cache_width(vc.dtype, 1):
         raise ShapeError(f"cached_attention q {q}, caches {kc} / {vc} do not fit")
     if not positions_fit(pos, q.shape[0], q.shape[2]):
         raise ShapeError(f"cached_attention position {pos} should be i64[{q.shape[2]}] or [{q.shape[0]},{q.shape[2]}]")
     _check_alibi("cached_attention", attrs, q.shape[1])
-    _same_dtype(ins[:3])
-    return [TensorType(q.shape[:3] + (vc.shape[-1],), q.dtype)]
+    if kc.dtype != vc.dtype or not _converts_rows(kc.dtype, q.dtype):
+        raise ShapeError(f"cached_attention q {q} cannot read caches {kc} / {vc} (a cache of q's dtype, or one "
+                         "of f32, bf16, f16, i8 beside an f32 or bf16 q; k and v alike)")
+    dv = vc.shape[-1] - (KV_SCALE_BYTES if vc.dtype == DType.i8 else 0)
+    return [TensorType(q.shape[:3] + (dv,), q.dtype)]
 
 
 def _conv_window(cache: torch.Tensor, pos: torch.Tensor, k: int, dilation: int) -> torch.Tensor:

@@ -281,6 +281,9 @@ def _hide_later_rows(scores: torch.Tensor, pos: torch.Tensor, window: int = 0) -
 
 
 _HALF = (torch.float16, torch.bfloat16)
+# The KV cache layouts cached_attention reads beside a query of another dtype (ir/fused_ops.py).
+_KV_CACHES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+_KV_SCALE = 4  # bytes of a packed int8 row's scale (fused_ops.KV_SCALE_BYTES)
 
 
 def _cached_attention_f32s(b: int, hq: int, s: int, length: int, d: int, dv: int, half: bool) -> int:
@@ -290,10 +293,10 @@ def _cached_attention_f32s(b: int, hq: int, s: int, length: int, d: int, dv: int
 
 
 def _cached_attention_ws(ins: T, outs: T, a: A) -> int:
-    q, kc, vc = ins[:3]
+    q, kc = ins[:2]
     b, hq, s, d = q.shape
     length = kc.shape[2]
-    n = _cached_attention_f32s(b, hq, s, length, d, vc.shape[3], q.dtype != DType.f32)
+    n = _cached_attention_f32s(b, hq, s, length, d, outs[0].shape[3], q.dtype != DType.f32 or kc.dtype != q.dtype)
     if a.get("alibi"):  # ALiBi's key-minus-query distances [s, rows], the rows' indices, the positions
         n += s * length + length + s
     return n * F32
@@ -311,18 +314,36 @@ def _add_alibi(scores: torch.Tensor, slopes: tuple[float, ...], pos: torch.Tenso
         scores[:, h].add_(rel, alpha=slope)
 
 
+def _widen_rows(dst: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """One head's cached rows [n, width] as f32 [n, d] in `dst`: copied, or (packed int8 rows,
+    ir/fused_ops.py) their codes times their scales, as the reference dequantizes them."""
+    if rows.dtype != torch.int8:
+        return dst.copy_(rows)
+    dst.copy_(rows[:, _KV_SCALE:])
+    return dst.mul_(rows[:, :_KV_SCALE].view(torch.float32))  # [n, 1]: aligned (_packed_ok)
+
+
+def _packed_ok(c: torch.Tensor) -> bool:
+    """Whether a packed int8 cache's scales can be read in place as f32 (4-byte aligned rows)."""
+    return c.dtype != torch.int8 or (c.is_contiguous() and c.shape[-1] % _KV_SCALE == 0
+                                     and c.data_ptr() % _KV_SCALE == 0)
+
+
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     if len(xs) != 4 or (a["alibi"] and xs[3].dim() == 2):
         return False  # attention sinks, or ALiBi from each sequence's position: the reference kernel's
     q, kc, vc, pos = xs
     out = outs[0]
-    half = q.dtype in _HALF
-    if not (half or q.dtype == torch.float32) or kc.dtype != q.dtype or vc.dtype != q.dtype \
-            or not q.is_contiguous():
+    # half operands, or a cache of another layout than q (--kv_cache_dtype): scores and
+    # softmax in f32 over one KV head's rows at a time, widened (dequantized) into scratch
+    half = q.dtype in _HALF or kc.dtype != q.dtype
+    if not (q.dtype in _HALF or q.dtype == torch.float32) or vc.dtype != kc.dtype \
+            or (kc.dtype != q.dtype and kc.dtype not in _KV_CACHES) or not q.is_contiguous() \
+            or not (_packed_ok(kc) and _packed_ok(vc)):
         return False
     b, hq, s, d = q.shape
-    hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
+    hkv, length, dv = kc.shape[1], kc.shape[2], out.shape[3]
     g = hq // hkv
     # No query sees a row past the last position: those rows are neither read nor scored.
     n = min(length, max(pos.reshape(-1).tolist()) + 1)
@@ -341,7 +362,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
         off += o.numel() * F32
         for j in range(b):
             for h in range(hkv):  # the widened rows of one head at a time: scratch of one head, not the cache
-                torch.mm(qg[j, h], _f32(ws, off, (n, d)).copy_(k[j, h]).t(), out=scores[j, h])
+                torch.mm(qg[j, h], _widen_rows(_f32(ws, off, (n, d)), k[j, h]).t(), out=scores[j, h])
     scores.mul_(scale)
     if a["softcap"]:  # in place: softcap * tanh(scores / softcap)
         scores.div_(a["softcap"]).tanh_().mul_(a["softcap"])
@@ -355,7 +376,7 @@ def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     else:
         for j in range(b):
             for h in range(hkv):
-                torch.mm(scores[j, h], _f32(ws, off, (n, dv)).copy_(v[j, h]), out=o[j, h])
+                torch.mm(scores[j, h], _widen_rows(_f32(ws, off, (n, dv)), v[j, h]), out=o[j, h])
         out.view(b, hkv, g * s, dv).copy_(o)  # rounded once
     return True
 

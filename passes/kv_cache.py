@@ -103,6 +103,7 @@ import torch
 from npuc.errors import EXIT_UNSUPPORTED, NpucError
 from npuc.ir import DType, Graph, Node, TensorType, Value
 from npuc.ir.evaluate import evaluate_value
+from npuc.ir.fused_ops import kv_cache_width
 from npuc.ir.graph import TensorSource
 from npuc.passes.attention_fusion import hides_nothing
 from npuc.passes.manager import Pass, PassResult
@@ -180,6 +181,11 @@ class KVCache(Pass):
     # Tokens of each slot a decode step runs: 1, or C > 1 with `position` [slots, C], each
     # token's own (a prompt fed C tokens a step beside the slots decoding one).
     decode_tokens: int = 1
+    # --kv_cache_dtype: the dtype of the key and value caches (f32, bf16, f16, or i8: packed
+    # int8 rows of d + 4 bytes, ir/fused_ops.py), which the precision pass then leaves as they
+    # are; None (auto): the model's dtype, which the precision pass converts with the attention.
+    # Latent (MLA) and conv caches keep the auto rule.
+    cache_dtype: DType | None = None
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -362,7 +368,8 @@ class KVCache(Pass):
             n.set_attrs(alibi=alibi)
         if window and self.role == "prefill":
             n.set_attrs(window=window)
-        written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n) for kind, x in rows]
+        written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n, None if latent else self.cache_dtype)
+                   for kind, x in rows]
         if self.role == "decode":  # attend over the cache, query i at position[i]
             if latent:
                 op, ins = "mla_attention", [*n.inputs[:2], *written, *n.inputs[3:5], pos]
@@ -412,11 +419,17 @@ class KVCache(Pass):
         g.replace_all_uses_with(ids, v)
         g.inputs.remove(ids)
 
-    def _write(self, g: Graph, name: str, x: Value, pos: Value, before: Node) -> Value:
+    def _write(self, g: Graph, name: str, x: Value, pos: Value, before: Node, dtype: DType | None = None) -> Value:
         """A state of `cache_len` rows for x's [b, heads, s, d] (b slots, or `slots`), with x
-        written at `pos` (into the `slot` input's slot, a prefill with slots)."""
+        written at `pos` (into the `slot` input's slot, a prefill with slots). `dtype`: the
+        cache's own (--kv_cache_dtype; i8 rows are d + 4 bytes wide), else x's."""
         b, h, _, d = x.type.shape
-        st = g.add_state(name, TensorType((max(self.slots, b), h, self.cache_len, d), x.type.dtype))
+        dt = dtype or x.type.dtype
+        if dt != x.type.dtype and x.type.dtype not in (DType.f32, DType.bf16):
+            raise NpucError("NPUC-E0123", f"cannot compile a decode program: {name} caches {x.type.dtype} rows, "
+                            f"which a {dt} cache cannot take (kv_write converts f32 and bf16 rows)",
+                            "leave --kv_cache_dtype at auto for this model", exit_code=EXIT_UNSUPPORTED)
+        st = g.add_state(name, TensorType((max(self.slots, b), h, self.cache_len, kv_cache_width(dt, d)), dt))
         slot = [v for v in g.inputs if v.name == SLOT] if self.slots > 1 and self.role != "decode" else []
         w = g.add_node("kv_write", [st, x, pos, *slot], [st.type], names=f"{name}.write", before=before)
         g.set_state_update(st, w.outputs[0])

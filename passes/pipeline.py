@@ -36,7 +36,9 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
     `last_token` (a prefill program computing the logits of one row). `quantize`
     (--quant_type) stores the weights of the fused products packed; quant-fusion, which
     always runs, makes products over packed weights (quantized or imported) read them so;
-    `quant_activations` is the target's dtype for their activations (passes/precision.py)."""
+    `quant_activations` is the target's dtype for their activations (passes/precision.py).
+    A `kv_cache` with a cache_dtype (--kv_cache_dtype) keeps its key and value caches in that
+    dtype through the precision pass."""
     return [
         DeadCodeElimination(),
         ConstantFolding(),          # masks and cos/sin tables become constants
@@ -57,7 +59,8 @@ def default_pipeline(precision_mode: str = "must_keep_origin_dtype", keep_dtype:
         BiasFusion(),
         *([quantize] if quantize is not None else []),  # once products and their biases are whole
         QuantFusion(),
-        Precision(precision_mode, keep_dtype, quant_activations=quant_activations),
+        Precision(precision_mode, keep_dtype, quant_activations=quant_activations,
+                  kv_cache_fixed=kv_cache is not None and kv_cache.cache_dtype is not None),
         TargetAlignment(tile, max_head_dim),   # pad matrix products and attention to the tile
         ConstantFolding(),
         CommonSubexpressionElimination(),

@@ -191,6 +191,9 @@ class Precision(Pass):
     # A quantized product's activations where the mode keeps the model's dtype (the target's
     # matrix.quant_activations); None: the model's own.
     quant_activations: DType | None = DType.bf16
+    # --kv_cache_dtype other than auto: the key and value caches (kv_cache.<i>.k / .v) keep the
+    # dtype the KV-cache pass gave them; decode's attention then reads them as they are.
+    kv_cache_fixed: bool = False
 
     def call(self, g: Graph) -> PassResult:
         mode = check_mode(self.mode)
@@ -223,6 +226,8 @@ class Precision(Pass):
 
     def _cache(self, g: Graph, mode: str, st: Value, details: dict[str, list[str]], made: Casts) -> None:
         """Give cache state `st` the dtype its attention converts to (see above)."""
+        if self.kv_cache_fixed and st.name.startswith("kv_cache.") and st.name.endswith((".k", ".v")):
+            return
         upd = g.state_updates.get(st.name)
         w = upd.producer if upd is not None else None
         if w is None or w.op != "kv_write" or w.inputs[0] is not st:

@@ -182,6 +182,23 @@ def _native_linear(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | None
 
 
 F32, BF16 = torch.float32, torch.bfloat16
+# The KV cache layouts of libnpucrt's kv_write and cached_attention (kernels.h NPUC_KV_*; the
+# old bf flag for f32 and bf16). f16 and packed int8 rows (d + 4 bytes: an f32 scale, then d
+# codes; ir/fused_ops.py) only where the library has the kernels for them (_kv_layouts).
+_KV_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+
+
+def _kv_layouts(lib: ctypes.CDLL) -> frozenset[torch.dtype]:
+    """The cache dtypes the library's KV kernels take: every layout where it sizes its
+    attention's scratch itself (the same change brought them), else f32 and bf16."""
+    if hasattr(lib, "npuc_cached_attention_scratch_floats"):
+        return frozenset(_KV_KIND)
+    return frozenset({F32, BF16})
+
+
+def _kv_width(cache: torch.Tensor, d: int) -> int:
+    """A cache's last dim for rows of d values (packed int8: d + 4 bytes)."""
+    return d + 4 if cache.dtype == torch.int8 else d
 
 
 def _contiguous(*ts: torch.Tensor | None) -> bool:
@@ -241,14 +258,15 @@ def _native_kv_write(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launcher | No
     slot = b.ins[3] if len(b.ins) > 3 else None
     s = new.shape[2] if new.dim() == 4 else 0
     if cache.dim() != 4 or new.dim() != 4 or not _contiguous(cache, new, pos) or pos.dtype != torch.int64 \
-            or {cache.dtype, new.dtype} - {F32, BF16} or b.outs[0].data_ptr() != cache.data_ptr() \
+            or new.dtype not in (F32, BF16) or cache.dtype not in _kv_layouts(lib) \
+            or b.outs[0].data_ptr() != cache.data_ptr() \
             or new.shape[0] != (1 if slot is not None else cache.shape[0]) or cache.shape[1] != new.shape[1] \
-            or cache.shape[3] != new.shape[3] or tuple(pos.shape) not in ((s,), (new.shape[0], s)) \
+            or cache.shape[3] != _kv_width(cache, new.shape[3]) or tuple(pos.shape) not in ((s,), (new.shape[0], s)) \
             or (slot is not None and (slot.dtype != torch.int64 or slot.numel() != 1)):
         return None
     nb, h, _, d = new.shape
     length = cache.shape[2]
-    call = functools.partial(lib.npuc_kv_write, cache.data_ptr(), int(cache.dtype == BF16), new.data_ptr(),
+    call = functools.partial(lib.npuc_kv_write, cache.data_ptr(), _KV_KIND[cache.dtype], new.data_ptr(),
                              int(new.dtype == BF16), pos.data_ptr(), s if pos.dim() == 2 else 0)
     if slot is None:
         return _checked(functools.partial(call, -1, nb, h, length, s, d), b)
@@ -265,16 +283,21 @@ def _native_cached_attention(b: Bound, lib: ctypes.CDLL, ls: Launchers) -> Launc
     q, kc, vc, pos = b.ins
     out = b.outs[0]
     if not _contiguous(q, kc, vc, pos, out) or pos.dtype != torch.int64 or kc.dtype != vc.dtype \
-            or {q.dtype, kc.dtype, out.dtype} - {F32, BF16} or q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
+            or {q.dtype, out.dtype} - {F32, BF16} or kc.dtype not in _kv_layouts(lib) \
+            or q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
         return None
     bb, hq, s, d = q.shape
-    hkv, length, dv = kc.shape[1], kc.shape[2], vc.shape[3]
-    if kc.shape[0] != bb or vc.shape[:3] != kc.shape[:3] or kc.shape[3] != d or hq % hkv \
-            or tuple(out.shape) != (bb, hq, s, dv) or tuple(pos.shape) not in ((s,), (bb, s)):
+    hkv, length, dv = kc.shape[1], kc.shape[2], out.shape[3] if out.dim() == 4 else 0
+    if kc.shape[0] != bb or vc.shape[:3] != kc.shape[:3] or kc.shape[3] != _kv_width(kc, d) or hq % hkv \
+            or vc.shape[3] != _kv_width(vc, dv) or tuple(out.shape) != (bb, hq, s, dv) \
+            or tuple(pos.shape) not in ((s,), (bb, s)):
         return None
-    ws = ls.scratch(ls.threads * (length + d + dv))
+    if hasattr(lib, "npuc_cached_attention_scratch_floats"):
+        ws = ls.scratch(lib.npuc_cached_attention_scratch_floats(bb, hq, s, d, hkv, length, dv, ls.threads))
+    else:
+        ws = ls.scratch(ls.threads * (length + d + dv))
     return _checked(functools.partial(lib.npuc_cached_attention, q.data_ptr(), int(q.dtype == BF16), kc.data_ptr(),
-                                      vc.data_ptr(), int(kc.dtype == BF16), pos.data_ptr(),
+                                      vc.data_ptr(), _KV_KIND[kc.dtype], pos.data_ptr(),
                                       s if pos.dim() == 2 else 0, out.data_ptr(),
                                       int(out.dtype == BF16), bb, hq, s, d, hkv, length, dv, b.attrs["scale"],
                                       ws.data_ptr(), ls.threads), b)

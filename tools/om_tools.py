@@ -124,6 +124,14 @@ def _kv_bytes_per_token(m: Any) -> int:
     return sum(t.nbytes // (t.shape[0] * t.shape[2]) for t in _caches(m))
 
 
+def _kv_cache_dtype(m: Any) -> str | None:
+    """The key and value caches' dtype (--kv_cache_dtype's name: int8 for packed int8 rows),
+    several joined by '/' (a cache per layer kept apart by --keep_dtype); None: no KV cache."""
+    names = sorted({"int8" if t.dtype == "i8" else t.dtype for t in _caches(m)
+                    if t.name.startswith("kv_cache.") and t.name.endswith((".k", ".v", ".latent"))})
+    return "/".join(names) or None
+
+
 def _kv_slots(m: Any) -> int:
     """Sequences the caches hold at once (their batch): --input_shape's batch with --max_seq_len."""
     return min((int(t.shape[0]) for t in _caches(m)), default=0)
@@ -163,6 +171,7 @@ def model_info(path: str) -> dict[str, Any]:
         return {
             "programs": [_program_info(m, p) for p in m.programs],
             "kv_cache_bytes_per_token": _kv_bytes_per_token(m),
+            "kv_cache_dtype": _kv_cache_dtype(m),
             "kv_slots": _kv_slots(m),
             "kv_cache_bytes_per_slot": sum(t.nbytes // t.shape[0] for t in _caches(m)),
             "recurrent_state_bytes_per_slot": _recurrent_bytes_per_slot(m),
@@ -253,6 +262,8 @@ def render_info(path: str, info: dict[str, Any]) -> str:
                                              f"{_b(info['kv_cache_bytes_per_slot'])}, "
                                              f"{_b(info['kv_cache_bytes_per_token'])} per token)"
                                              if info["state_bytes"] else "")),
+        *([("KV cache", f"{info['kv_cache_dtype']}, {info['kv_cache_bytes_per_token']:,} bytes per token")]
+          if info.get("kv_cache_dtype") else []),
         *([("recurrent state", f"{_b(info['recurrent_state_bytes_per_slot'])} per slot (scan and delta-rule "
                                 "states, conv windows; the same at any --max_seq_len)")]
           if info.get("recurrent_state_bytes_per_slot") else []),
