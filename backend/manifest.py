@@ -8,8 +8,9 @@
     build/model.rank1.om    ...
 
 Each rank maps its own file and reads nothing of the others'. A rank file's
-fingerprint is the SHA-256 of its section table (each section's name and SHA-256,
-which the container checks on every load), so a file from another compile, or
+fingerprint is the SHA-256 of its section table (each section's name and digest: a
+header section's SHA-256, the weights' XXH3-128 of their chunk digests; the container
+checks them on every load), so a file from another compile, or
 another rank's, is refused without reading its weights. Rank files are plain names
 beside the manifest: a manifest naming anything else (a path, `..`) is refused.
 """
@@ -63,7 +64,7 @@ def rank_file_name(manifest_path: str, rank: int) -> str:
 def fingerprint(om: OmFile) -> str:
     h = hashlib.sha256()
     for s in om.section_info():
-        h.update(f"{s.name}:{s.sha256}\n".encode())
+        h.update(f"{s.name}:{s.digest}\n".encode())
     return h.hexdigest()
 
 

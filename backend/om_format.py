@@ -3,29 +3,36 @@
 This module only knows the container. What the sections hold (the serialized
 model definition, the weights) is opaque bytes here.
 
-Layout (all integers little-endian)::
+Layout, format version 2 (all integers little-endian; docs/om-format.md)::
 
-    header   64 bytes   magic b"NPUCOM\\x00\\x01", version u32 (=1), flags u32 (=0),
+    header   64 bytes   magic b"NPUCOM\\x00\\x01", version u32 (=2), flags u32 (=0),
                         section count u32, reserved u32 (=0),
                         SHA-256 of the section table (32 bytes), 8 zero bytes
     table    64 bytes per section: name (16 bytes ASCII, NUL padded),
-                        offset u64, size u64, SHA-256 of the payload (32 bytes)
+                        offset u64, size u64, digest (32 bytes)
     payloads in table order, each at an offset aligned to its section's
                         alignment (64 by default, 4096 for "weights" so the
                         runtime can mmap it); padding is zero bytes and the
                         file ends exactly where the last payload ends.
 
-The table precedes the payloads yet holds their hashes, so `OmWriter` lays the
+Every section but "weights" carries the SHA-256 of its payload. The weights carry a
+fast non-cryptographic checksum instead: XXH3-128 of each CHUNK_SIZE piece, listed
+in the section "weights.xxh3" (chunk size u64, chunk count u64, then one 16-byte
+digest per chunk), which is SHA-256-covered like any other; the weights entry's
+digest is the XXH3-128 of that list followed by 16 zero bytes. So every byte of the
+file is under a checksum, and the table's SHA-256 covers them all.
+
+The table precedes the payloads yet holds their digests, so `OmWriter` lays the
 file out first, writes each payload at its offset and then the table and header.
-A streamed payload is hashed on a thread beside the writing; a chunk that is a
-byte range of a file (`FileRange`: a weight as safetensors or ONNX external data
-store it) is copied file to file by the kernel and read once more, for the
-hashes only. A late section (metadata holding the input model's hash, taken from
-those reads by `FileSequenceHash`) is written after the others. The writer writes
-to a temporary file and renames it into place, so readers never see a
-half-written file. `OmFile` checks the
-whole structure (and, by default, every checksum) before handing out any
-section, and only ever hands out bytes: nothing is unpickled or executed.
+A streamed payload is hashed as it is written: a chunk that is a byte range of a
+file (`FileRange`: a weight as safetensors or ONNX external data store it) is read
+once, in blocks; each block is hashed, handed to the input model's hash
+(`FileSequenceHash`, on its own thread) and written from that same buffer. Late
+sections (the metadata holding that hash, the chunk digests) are written after the
+others. The writer writes to a temporary file and renames it into place, so readers
+never see a half-written file. `OmFile` checks the whole structure and every header
+section's SHA-256 before handing out any section (and, by default, every weights
+chunk), and only ever hands out bytes: nothing is unpickled or executed.
 """
 
 from __future__ import annotations
@@ -48,13 +55,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import xxhash
+
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
 __all__ = [
+    "CHUNK_SIZE",
     "FORMAT_VERSION",
     "MAGIC",
     "SECTION_ALIGN_DEFAULT",
     "WEIGHTS_ALIGN",
+    "WEIGHTS",
+    "WEIGHTS_DIGESTS",
     "FileRange",
     "FileSequenceHash",
     "OmFile",
@@ -63,7 +75,13 @@ __all__ = [
 ]
 
 MAGIC = b"NPUCOM\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+WEIGHTS = "weights"
+WEIGHTS_DIGESTS = "weights.xxh3"
+# Bytes of weights per XXH3-128 digest (docs/om-format.md says why 4 MiB).
+CHUNK_SIZE = 4 << 20
+_CHUNK_MIN, _CHUNK_MAX = 4096, 1 << 30  # the chunk sizes a reader accepts (powers of two)
+_CHUNKS_HEAD = struct.Struct("<QQ")  # chunk size, chunk count
 SECTION_ALIGN_DEFAULT = 64
 WEIGHTS_ALIGN = 4096
 
@@ -97,13 +115,16 @@ def _align_up(n: int, a: int) -> int:
 
 @dataclass(frozen=True)
 class SectionInfo:
-    """One table entry. `align` is the alignment the reader has checked for it."""
+    """One table entry. `align` is the alignment the reader has checked for it; `digest`
+    (hex) is the entry's digest field: the payload's SHA-256 (`checksum` "sha256"), or
+    for the weights the XXH3-128 of their chunk digests and 16 zero bytes ("xxh3-128")."""
 
     name: str
     offset: int
     size: int
     align: int
-    sha256: str
+    digest: str
+    checksum: str = "sha256"
 
 
 # --- writing ---------------------------------------------------------------------
@@ -112,8 +133,8 @@ class SectionInfo:
 @dataclass(frozen=True)
 class FileRange:
     """A payload chunk that is `length` bytes of the file `path` from `offset` (a weight as
-    safetensors or ONNX external data store it). The writer copies it file to file in the
-    kernel, and hashes it on a thread from one read of its own; `what` names it in errors."""
+    safetensors or ONNX external data store it). The writer reads it once, in blocks, and
+    hashes and writes each block from that read; `what` names it in errors."""
 
     path: str
     offset: int
@@ -146,9 +167,8 @@ class FileRange:
 
 Chunk = bytes | bytearray | memoryview | FileRange
 
-_BLOCK = 8 << 20  # bytes per read of a file range (hashlib releases the GIL on each)
-_BUFFERS = 8  # blocks in flight between the hash threads
-_PENDING = 64 << 20  # in-memory chunk bytes the hash thread may fall behind the writer by
+_BLOCK = 8 << 20  # bytes per read of a file range (os.preadv and xxhash let go of the GIL on each)
+_BUFFERS = 8  # blocks the input model's hash may hold before the writer reads on without handing over
 
 
 def _cannot_read(r: FileRange, e: OSError) -> NpucError:
@@ -196,59 +216,6 @@ def _write_behind(fd: int, offset: int, n: int) -> None:
             os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
 
 
-class _Worker:
-    """One thread (started by the first job) working through its jobs in order. Its first
-    error ends the work and is raised in the submitting thread at the next `submit` or
-    at `join`; `done` still sees every job, to release what it holds."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self.cancelled = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if self._error is None and not self.cancelled.is_set():
-                try:
-                    self.work(job)
-                except BaseException as e:  # raised again in the submitter
-                    self._error = e
-            self.done(job)
-        with contextlib.suppress(queue.Empty):
-            while True:  # jobs that came after a cancel
-                if (job := self._jobs.get_nowait()) is not None:
-                    self.done(job)
-
-    def work(self, job: Any) -> None:
-        raise NotImplementedError
-
-    def done(self, job: Any) -> None:
-        """Called after each job, done or skipped."""
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def submit(self, job: Any) -> None:
-        self.check()
-        if self._thread.ident is None:
-            self._thread.start()
-        self._jobs.put(job)
-
-    def join(self) -> None:
-        if self._thread.ident is not None:
-            self._jobs.put(None)
-            self._thread.join()
-        self.check()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        if self._thread.ident is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=10)
-
-
 def _chain(spans: Sequence[tuple[int, int]]) -> list[int]:
     """Indices of the spans (start, end), in their order, whose starts do not go back and
     that do not overlap, with the most bytes in all (a weighted longest increasing run)."""
@@ -273,7 +240,7 @@ def _chain(spans: Sequence[tuple[int, int]]) -> list[int]:
 
 
 class FileSequenceHash:
-    """SHA-256 over whole files, each after its prefix, as if concatenated in order (the
+    """XXH3-128 over whole files, each after its prefix, as if concatenated in order (the
     input model's hash), on a thread of its own.
 
     `ranges` are the file ranges a writer will read, in the writer's order. Those of them
@@ -296,7 +263,7 @@ class FileSequenceHash:
         self._expect = self._taken[0][1] if self._taken else 0
         self._at = (0, -1)  # hashed up to (file, offset); -1: before the file's prefix
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._h = hashlib.sha256()
+        self._h = xxhash.xxh3_128()
         self._buf = memoryview(bytearray(_BLOCK))
         self._fd: tuple[int, int] | None = None
         self._error: BaseException | None = None
@@ -423,64 +390,121 @@ class FileSequenceHash:
             self._thread.join(timeout=10)
 
 
-class _SectionHash(_Worker):
-    """A streamed section's SHA-256, on a thread beside the writer: in-memory chunks are
-    hashed as they are (holding at most _PENDING bytes of them), file ranges are read
-    once, in blocks, each handed to `also` (the input model's hash) where it wants it."""
+class _ChunkDigests:
+    """XXH3-128 of each CHUNK_SIZE piece of a section, fed its bytes in order in pieces of
+    any size; `payload` is the "weights.xxh3" section (chunk size, count, digests)."""
 
-    def __init__(self, also: FileSequenceHash | None) -> None:
+    checksum = "xxh3-128"
+
+    def __init__(self) -> None:
+        self._chunk = CHUNK_SIZE
+        self._h = xxhash.xxh3_128()
+        self._in = 0  # bytes of the current chunk hashed
+        self._digests: list[bytes] = []
+
+    def update(self, data: memoryview) -> None:
+        while data:
+            n = min(len(data), self._chunk - self._in)
+            self._h.update(data[:n])  # xxhash lets go of the GIL for the hashing itself
+            self._in += n
+            data = data[n:]
+            if self._in == self._chunk:
+                self._digests.append(self._h.digest())
+                self._h.reset()
+                self._in = 0
+
+    def payload(self) -> bytes:
+        if self._in:
+            self._digests.append(self._h.digest())
+            self._h.reset()
+            self._in = 0
+        return _CHUNKS_HEAD.pack(self._chunk, len(self._digests)) + b"".join(self._digests)
+
+
+def _chunks_payload_size(size: int) -> int:
+    return _CHUNKS_HEAD.size + 16 * -(-size // CHUNK_SIZE)
+
+
+def _weights_digest(chunks_payload: bytes | memoryview) -> bytes:
+    """The weights' table digest: XXH3-128 of their "weights.xxh3" payload, 16 zero bytes."""
+    return xxhash.xxh3_128_digest(chunks_payload) + bytes(16)
+
+
+class _Sha256:
+    """A streamed section other than the weights: one SHA-256, like a header section."""
+
+    checksum = "sha256"
+
+    def __init__(self) -> None:
         self._h = hashlib.sha256()
+
+    def update(self, data: memoryview) -> None:
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+class _Copy:
+    """Writes a streamed section's chunks at their place in the output, reading each byte
+    of a file range once: a block is read into a buffer, hashed there (`digests`), handed
+    to `also` (the input model's hash, on its thread) where it wants it, and written from
+    that same buffer. No byte is read twice, by the kernel or by us."""
+
+    def __init__(self, dst: int, digests: _ChunkDigests | _Sha256, also: FileSequenceHash | None) -> None:
+        self._dst = dst
+        self._digests = digests
         self._also = also
+        self._fds: dict[str, tuple[int, int]] = {}  # path -> (descriptor, size)
         self._own = memoryview(bytearray(_BLOCK))
+        # Buffers the model's hash holds until it has hashed them (then it puts them back).
         self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         for _ in range(_BUFFERS):
             self._free.put(memoryview(bytearray(_BLOCK)))
-        self._pending = 0
-        self._room = threading.Condition()
-        self._fds: dict[str, int] = {}
-        super().__init__("npuc-section-hash")
 
-    def submit(self, job: Any) -> None:
-        n = 0 if isinstance(job, FileRange) else len(job)
-        with self._room:  # one chunk larger than the budget waits for the thread to catch up
-            while self._pending and self._pending + n > _PENDING and self._error is None:
-                self._room.wait(0.1)
-            self._pending += n
-        super().submit(job)
+    def write(self, data: memoryview, dst_off: int) -> None:
+        self._digests.update(data)
+        _pwrite(self._dst, data, dst_off)
 
-    def done(self, job: Any) -> None:
-        if not isinstance(job, FileRange):
-            with self._room:
-                self._pending -= len(job)
-                self._room.notify_all()
-
-    def work(self, job: Any) -> None:
-        if not isinstance(job, FileRange):
-            self._h.update(job)
-            return
-        fd = self._fds.get(job.path)
-        if fd is None:
+    def copy(self, r: FileRange, dst_off: int) -> None:
+        if r.path not in self._fds:
             try:
-                fd = self._fds[job.path] = os.open(job.path, os.O_RDONLY)
+                if not stat.S_ISREG(os.stat(r.path).st_mode):  # a fifo's open() would block
+                    raise OSError(0, "not a regular file")
+                fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as e:
-                raise _cannot_read(job, e) from None
-        off, end = job.offset, job.offset + job.length
-        while off < end and not self.cancelled.is_set():
-            hand = self._also is not None and self._also.wants(job, off)
-            buf = self._spare() if hand else None  # none spare: the other hash reads the block itself
+                raise _cannot_read(r, e) from None
+            self._fds[r.path] = (fd, os.fstat(fd).st_size)
+            if hasattr(os, "posix_fadvise"):
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
+        src, size = self._fds[r.path]
+        if r.offset + r.length > size:
+            raise _ended_early(r, size)
+        off, end = r.offset, r.offset + r.length
+        while off < end:
+            hand = self._also is not None and self._also.wants(r, off)
+            buf = self._spare() if hand else None  # none spare: the model's hash reads the block itself
             view = (self._own if buf is None else buf)[: min(_BLOCK, end - off)]
-            n = _read_into(fd, view, off)
+            try:
+                n = _read_into(src, view, off)
+            except OSError as e:
+                if buf is not None:
+                    self._free.put(buf)
+                raise _cannot_read(r, e) from None
             if n == 0:
                 if buf is not None:
                     self._free.put(buf)
-                raise _ended_early(job)
-            self._h.update(view[:n])
+                raise _ended_early(r)
+            block = view[:n]
+            self._digests.update(block)
             if hand:
                 assert self._also is not None
                 if buf is None:
                     self._also.skip(n)
-                else:
-                    self._also.give(view[:n], functools.partial(self._free.put, buf))
+                else:  # it only reads the buffer, and gives it back once hashed
+                    self._also.give(block, functools.partial(self._free.put, buf))
+            _pwrite(self._dst, block, dst_off + off - r.offset)
             off += n
 
     def _spare(self) -> memoryview | None:
@@ -488,72 +512,6 @@ class _SectionHash(_Worker):
             return self._free.get_nowait()
         except queue.Empty:
             return None
-
-    def digest(self) -> bytes:
-        self.join()
-        self._close()
-        if self.cancelled.is_set():
-            raise InternalError("the hash was cancelled")
-        return self._h.digest()
-
-    def _close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def cancel(self) -> None:
-        super().cancel()
-        self._close()
-
-
-class _Copier:
-    """Copies file ranges into the output in the kernel: copy_file_range, else sendfile,
-    else a read/write loop (another filesystem, macOS). A way that fails with an OSError
-    is not tried again in this section; the next one goes on from where it stopped."""
-
-    METHODS = ("copy_file_range", "sendfile", "read")
-
-    def __init__(self, dst: int) -> None:
-        self._dst = dst
-        self._fds: dict[str, tuple[int, int]] = {}  # path -> (descriptor, size)
-        self.method = 0 if hasattr(os, "copy_file_range") else 1 if hasattr(os, "sendfile") else 2
-        self._buf: memoryview | None = None
-
-    def copy(self, r: FileRange, dst_off: int) -> None:
-        if r.path not in self._fds:
-            try:
-                fd = os.open(r.path, os.O_RDONLY)
-            except OSError as e:
-                raise _cannot_read(r, e) from None
-            self._fds[r.path] = (fd, os.fstat(fd).st_size)
-        src, size = self._fds[r.path]
-        if r.offset + r.length > size:
-            raise _ended_early(r, size)
-        done = 0
-        while done < r.length:
-            try:
-                n = self._some(src, r.offset + done, dst_off + done, r.length - done)
-            except OSError:
-                if self.method == len(self.METHODS) - 1:
-                    raise
-                self.method += 1  # not supported here: the next way, from where this one stopped
-                continue
-            if n == 0:
-                raise _ended_early(r)
-            done += n
-
-    def _some(self, src: int, off: int, dst_off: int, n: int) -> int:
-        n = min(n, 1 << 30)
-        if self.METHODS[self.method] == "copy_file_range":
-            return os.copy_file_range(src, self._dst, n, off, dst_off)
-        if self.METHODS[self.method] == "sendfile":
-            os.lseek(self._dst, dst_off, os.SEEK_SET)
-            return os.sendfile(self._dst, src, off, n)
-        if self._buf is None:
-            self._buf = memoryview(bytearray(_BLOCK))
-        k = _read_into(src, self._buf[: min(n, _BLOCK)], off)
-        _pwrite(self._dst, self._buf[:k], dst_off)
-        return k
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
@@ -629,10 +587,9 @@ class OmWriter:
         """Register a section of exactly `size` bytes, pulled from `chunks` while writing.
 
         The iterable is consumed during `close()`, one chunk at a time, so the
-        payload never has to exist as one bytes object; a chunk must stay unchanged
-        once yielded (a thread hashes it). A `FileRange` chunk is copied from its file
-        without passing through Python; `also` is handed the blocks read from file
-        ranges that it wants (see FileSequenceHash).
+        payload never has to exist as one bytes object. A `FileRange` chunk is read
+        from its file once, in blocks, each hashed and written from that read; `also`
+        is handed the blocks it wants (see FileSequenceHash).
         """
         if size < 0:
             raise InternalError(f"section '{name}': negative size {size}")
@@ -654,6 +611,8 @@ class OmWriter:
             raise InternalError(f"invalid section name {sec.name!r}: use 1-16 of [A-Za-z0-9_.-]")
         if any(s.name == sec.name for s in self._sections):
             raise InternalError(f"section '{sec.name}' added twice")
+        if sec.name == WEIGHTS_DIGESTS:
+            raise InternalError(f"section '{WEIGHTS_DIGESTS}' is the writer's own (the weights' chunk digests)")
         a = sec.align
         if a < SECTION_ALIGN_DEFAULT or a & (a - 1):
             raise InternalError(f"section '{sec.name}': alignment {a} is not a power of two >= {SECTION_ALIGN_DEFAULT}")
@@ -686,6 +645,11 @@ class OmWriter:
             ) from e
 
     def _write(self, sections: list[_Pending]) -> None:
+        for i, sec in enumerate(sections):
+            if sec.name == WEIGHTS:  # its chunk digests go just before it, written once it is
+                sections.insert(i, _Pending(WEIGHTS_DIGESTS, _chunks_payload_size(sec.size), SECTION_ALIGN_DEFAULT,
+                                            None, produce=_weights_chunks))
+                break
         table_end = HEADER_SIZE + ENTRY_SIZE * len(sections)
         offsets: list[int] = []
         cursor = table_end
@@ -735,9 +699,10 @@ class OmWriter:
 
     def _write_payloads(self, fd: int, sections: list[_Pending], offsets: list[int], pos: int) -> list[bytes]:
         """Every payload (and the zero padding before it) at its offset; late sections
-        last. Their SHA-256 digests, in table order."""
+        last. Their table digests, in table order."""
         digests: dict[int, bytes] = {}
         late: list[int] = []
+        chunk_table = b""
         try:
             for i, (sec, off) in enumerate(zip(sections, offsets, strict=True)):
                 with self._io():
@@ -745,16 +710,23 @@ class OmWriter:
                 pos = off + sec.size
                 if sec.produce is not None:
                     late.append(i)
-                elif sec.data is not None:
+                    continue
+                digester = _ChunkDigests() if sec.name == WEIGHTS else _Sha256()
+                if sec.data is not None:
                     with self._io():
                         _pwrite(fd, sec.data, off)
-                    digests[i] = hashlib.sha256(sec.data).digest()
+                    digester.update(memoryview(sec.data))
                 else:
-                    digests[i] = self._write_streamed(fd, sec, off)
+                    self._write_streamed(fd, sec, off, digester)
+                if isinstance(digester, _ChunkDigests):
+                    chunk_table = digester.payload()
+                    digests[i] = _weights_digest(chunk_table)
+                else:
+                    digests[i] = digester.digest()
             for i in late:
                 produce = sections[i].produce
                 assert produce is not None
-                data = produce()
+                data = chunk_table if produce is _weights_chunks else produce()
                 if len(data) != sections[i].size:
                     raise InternalError(f"section '{sections[i].name}' declared {sections[i].size} bytes "
                                         f"but produced {len(data)}")
@@ -768,11 +740,10 @@ class OmWriter:
             raise
         return [digests[i] for i in range(len(sections))]
 
-    def _write_streamed(self, fd: int, sec: _Pending, off: int) -> bytes:
-        """Write a streamed section's chunks while a thread hashes them."""
+    def _write_streamed(self, fd: int, sec: _Pending, off: int, digester: _ChunkDigests | _Sha256) -> None:
+        """Write a streamed section's chunks, hashing each from the buffer it is written from."""
         assert sec.chunks is not None
-        hasher = _SectionHash(sec.also)
-        copier = _Copier(fd)
+        copy = _Copy(fd, digester, sec.also)
         written = 0
         if sec.also is not None:
             sec.also.start()  # it reads what it will not be handed meanwhile
@@ -791,26 +762,24 @@ class OmWriter:
                     raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold more")
                 if not n:
                     continue
-                hasher.submit(chunk)
-                if isinstance(chunk, FileRange):
-                    with self._io():
-                        copier.copy(chunk, off + written)
-                else:
-                    with self._io():
-                        _pwrite(fd, chunk, off + written)
+                with self._io():
+                    if isinstance(chunk, FileRange):
+                        copy.copy(chunk, off + written)
+                    else:
+                        copy.write(chunk, off + written)
                 _write_behind(fd, off + written, n)
                 written += n
             if written != sec.size:
                 raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold {written}")
-            digest = hasher.digest()
             if sec.also is not None:
                 sec.also.done()
-            return digest
-        except BaseException:
-            hasher.cancel()
-            raise
         finally:
-            copier.close()
+            copy.close()
+
+
+def _weights_chunks() -> bytes:
+    """The produce of the "weights.xxh3" section: a marker, the writer fills it in."""
+    raise InternalError("the weights' chunk digests are written by OmWriter itself")
 
 
 # --- reading ---------------------------------------------------------------------
@@ -836,7 +805,8 @@ class OmFile:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, verify: bool = True) -> OmFile:
-        """Map and check `path`; with `verify` also check every payload's SHA-256."""
+        """Map and check `path`: its structure and every header section's SHA-256, always;
+        with `verify` also every weights chunk's XXH3-128 (reading the whole file)."""
         p = os.fspath(path)
         try:
             # O_NONBLOCK so that a FIFO fails the regular-file check instead of hanging.
@@ -924,6 +894,7 @@ def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
     magic, version, flags, count, reserved, table_sha, pad = _HEADER.unpack_from(mm, 0)
     _check_magic(path, magic)
     if version != FORMAT_VERSION:
+        # Version 1 (SHA-256 over every weight byte) is not read: a recompile writes version 2.
         raise NpucError(
             E_VERSION,
             f"'{path}' has .om format version {version}; this npuc reads version {FORMAT_VERSION}",
@@ -971,29 +942,81 @@ def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
         # the file goes unchecked. At most one alignment's worth per section.
         if mm[prev_end:offset].count(0) != offset - prev_end:
             raise _checksum(f"the padding before section '{name}'")
-        sections.append(SectionInfo(name, offset, length, align, digest.hex()))
+        sections.append(SectionInfo(name, offset, length, align, digest.hex(),
+                                    "xxh3-128" if name == WEIGHTS else "sha256"))
         digests.append(digest)
         prev_end = end
     if prev_end != size:
         raise _corrupt(f"{size - prev_end} unexpected bytes after the last section")
 
-    if verify:
-        # Hash with plain reads, not through the mapping: touching mapped pages would make
-        # every weight resident in this process before the first run.
-        try:
-            with open(path, "rb") as f:
-                for info, digest in zip(sections, digests, strict=True):
-                    h = hashlib.sha256()
-                    f.seek(info.offset)
-                    left = info.size
-                    while left:
-                        chunk = f.read(min(left, 8 << 20))
-                        if not chunk:
-                            raise _corrupt(f"section '{info.name}' ends early")
-                        h.update(chunk)
-                        left -= len(chunk)
-                    if h.digest() != digest:
-                        raise _checksum(f"section '{info.name}'")
-        except OSError as e:
-            raise _cannot_open(path, e.strerror or str(e)) from e
+    # Every section but the weights: its SHA-256, always (they are small: the model
+    # definition, the chunk digests, a tokenizer).
+    for info, digest in zip(sections, digests, strict=True):
+        if info.name != WEIGHTS and hashlib.sha256(mm[info.offset:info.offset + info.size]).digest() != digest:
+            raise _checksum(f"section '{info.name}'")
+    by_name = {s.name: (s, d) for s, d in zip(sections, digests, strict=True)}
+    if WEIGHTS in by_name or WEIGHTS_DIGESTS in by_name:
+        chunk = _check_chunk_table(mm, by_name)
+        if verify:
+            _verify_weights(path, by_name[WEIGHTS][0], mm, by_name[WEIGHTS_DIGESTS][0], chunk)
     return sections
+
+
+def _check_chunk_table(mm: mmap.mmap, by_name: dict[str, tuple[SectionInfo, bytes]]) -> int:
+    """The weights' chunk digests agree with the weights (present together, one digest per
+    chunk of a sane size) and with the weights entry's digest. The chunk size."""
+    if WEIGHTS_DIGESTS not in by_name:
+        raise _corrupt(f"section '{WEIGHTS}' has no chunk digests (no section '{WEIGHTS_DIGESTS}')")
+    if WEIGHTS not in by_name:
+        raise _corrupt(f"section '{WEIGHTS_DIGESTS}' is there without a '{WEIGHTS}' section")
+    (weights, wdigest), (table, _) = by_name[WEIGHTS], by_name[WEIGHTS_DIGESTS]
+    if table.size < _CHUNKS_HEAD.size:
+        raise _corrupt(f"section '{WEIGHTS_DIGESTS}' has {table.size} bytes, less than its {_CHUNKS_HEAD.size}-byte head")
+    chunk, count = _CHUNKS_HEAD.unpack_from(mm, table.offset)
+    if not _CHUNK_MIN <= chunk <= _CHUNK_MAX or chunk & (chunk - 1):
+        raise _corrupt(f"section '{WEIGHTS_DIGESTS}' has chunk size {chunk}, not a power of two in "
+                       f"{_CHUNK_MIN}..{_CHUNK_MAX}")
+    want = -(-weights.size // chunk)
+    if count != want or table.size != _CHUNKS_HEAD.size + 16 * want:
+        raise _corrupt(f"section '{WEIGHTS_DIGESTS}' lists {count} chunks in {table.size} bytes; "
+                       f"{weights.size} bytes of weights in chunks of {chunk} need {want} "
+                       f"in {_CHUNKS_HEAD.size + 16 * want} bytes")
+    if _weights_digest(mm[table.offset:table.offset + table.size]) != wdigest:
+        raise _checksum(f"the chunk digests of section '{WEIGHTS}'")
+    return chunk
+
+
+def _verify_weights(path: str, weights: SectionInfo, mm: mmap.mmap, table: SectionInfo, chunk: int) -> None:
+    """Every weights chunk against its XXH3-128. With plain reads, not through the mapping:
+    touching mapped pages would make every weight resident in this process before the first
+    run; the reads fill the page cache that the run's mapping then finds warm."""
+    expected = mm[table.offset + _CHUNKS_HEAD.size:table.offset + table.size]
+    buf = memoryview(bytearray(min(chunk, max(weights.size, 1))))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise _cannot_open(path, e.strerror or str(e)) from e
+    try:
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, weights.offset, weights.size, os.POSIX_FADV_SEQUENTIAL)
+        h = xxhash.xxh3_128()
+        for k in range(len(expected) // 16):
+            start = weights.offset + k * chunk
+            n = min(chunk, weights.offset + weights.size - start)
+            h.reset()
+            done = 0
+            while done < n:  # in pieces of the buffer, should a chunk be larger than it
+                try:
+                    got = _read_into(fd, buf[:min(len(buf), n - done)], start + done)
+                except OSError as e:
+                    raise _cannot_open(path, e.strerror or str(e)) from e
+                if got == 0:
+                    raise _corrupt(f"section '{weights.name}' ends early")
+                h.update(buf[:got])
+                done += got
+            if h.digest() != expected[16 * k:16 * k + 16]:
+                raise _checksum(f"section '{weights.name}' (chunk {k}, bytes {start - weights.offset}.."
+                                f"{start - weights.offset + n})")
+    finally:
+        os.close(fd)

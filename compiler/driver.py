@@ -192,7 +192,7 @@ DECODE_TRACE_POSITION = 1
 
 
 def source_hash(files: Sequence[str]) -> str:
-    """SHA-256 over the model's files (name, size, bytes), in name order: the same model
+    """XXH3-128 over the model's files (name, size, bytes), in name order: the same model
     gives the same hash wherever it lies."""
     return FileSequenceHash(_hashed_files(files)).hexdigest()
 
@@ -203,8 +203,8 @@ def _hashed_files(files: Sequence[str]) -> list[tuple[str, bytes]]:
             for path in sorted(files, key=os.path.basename)]
 
 
-# source_sha256 until the weights are written: the hash comes from the reads that copy them.
-_HASH_PENDING = "0" * 64
+# source_xxh3 until the weights are written: the hash comes from the reads that copy them.
+_HASH_PENDING = "0" * 32
 
 
 def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
@@ -215,7 +215,7 @@ def _metadata(source: Source, target: str, **options: Any) -> dict[str, str]:
     meta = {"compiler": f"npuc {npuc.__version__}", "target": target, "source_kind": source.kind}
     if source.files:
         meta["source_files"] = ",".join(sorted(os.path.basename(f) for f in source.files))
-        meta["source_sha256"] = _HASH_PENDING  # see _write
+        meta["source_xxh3"] = _HASH_PENDING  # see _write
     for k, v in sorted(options.items()):
         if v is None or v == frozenset():
             continue
@@ -804,7 +804,7 @@ def compile_model(
 def _write(low: Lowered, path: str, extra: Mapping[str, bytes], files: Sequence[str],
            on_bytes: Callable[[int], None]) -> None:
     """writer.write_om, with the weights copied file to file where they are stored as they
-    are (weight_chunks' FileRanges), and the input model's hash (metadata source_sha256)
+    are (weight_chunks' FileRanges), and the input model's hash (metadata source_xxh3)
     taken from the reads that hash them: so the metadata section is written last."""
     sections = split_model(low.model)
     model_hash = FileSequenceHash(_hashed_files(files), _stored_ranges(low)) if files else None
@@ -813,7 +813,7 @@ def _write(low: Lowered, path: str, extra: Mapping[str, bytes], files: Sequence[
         assert model_hash is not None
         digest = model_hash.hexdigest()
         for entry in low.model.metadata:
-            if entry.key == "source_sha256":
+            if entry.key == "source_xxh3":
                 entry.value = digest
         return split_model(low.model)[METADATA]
 

@@ -3,16 +3,14 @@
 - `--max_seq_len`: one torch.export, at a symbolic length, gives the prefill program, the
   decode program and the RoPE tables (compiler/driver.py `build_programs`); models that
   do not trace at a symbolic length are traced per length, as before.
-- Weights stored as they are in a file are copied into the `.om` file to file, and hashed
-  on threads from one read: the weights section's SHA-256 and the input model's
-  (backend/om_format.py `FileRange`, `FileSequenceHash`); the bytes are those of a
-  plain write.
+- Weights stored as they are in a file are copied into the `.om` from one read of each
+  byte, hashed from the buffer they are written from: the weights' XXH3-128 chunk
+  digests and the input model's hash (backend/om_format.py `FileRange`,
+  `FileSequenceHash`); the bytes are those of a plain write.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import os
 import random
 import threading
@@ -23,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hf_models import ARCHS
 from test_fusion_passes import assert_same_numerics
 
@@ -146,48 +145,52 @@ def _mixed(src: Path) -> list[Any]:
     return [b"\0" * 64, r[0], memoryview(b"in memory"), r[1], r[2], r[3], bytearray(b"\1" * 4096), r[4]]
 
 
-def test_file_ranges_are_written_and_hashed_as_their_bytes(tmp_path: Path, small_blocks: int) -> None:
+def test_file_ranges_are_written_and_hashed_as_their_bytes(tmp_path: Path, small_blocks: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 KiB chunks, so chunk, block and range boundaries all fall at different places."""
+    monkeypatch.setattr(om_format, "CHUNK_SIZE", 4096)
     src = _source(tmp_path, "w.bin", 100_000, 0)
     chunks = _mixed(src)
     _write(tmp_path / "ranges.om", chunks)
     _write(tmp_path / "bytes.om", [_payload([c]) for c in chunks])
     assert (tmp_path / "ranges.om").read_bytes() == (tmp_path / "bytes.om").read_bytes()
+    payload = _payload(chunks)
     with OmFile.open(tmp_path / "ranges.om") as f:
-        info = {s.name: s for s in f.section_info()}["weights"]
-        assert info.sha256 == hashlib.sha256(_payload(chunks)).hexdigest()
-        assert bytes(f.section("weights")) == _payload(chunks)
+        assert bytes(f.section("weights")) == payload
+        digests = bytes(f.section("weights.xxh3"))[16:]
+    assert digests == b"".join(xxhash.xxh3_128_digest(payload[k:k + 4096]) for k in range(0, len(payload), 4096))
 
 
-@pytest.mark.parametrize("broken", [("copy_file_range",), ("copy_file_range", "sendfile"), ("absent",)])
-def test_copy_falls_back_where_the_kernel_copy_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     broken: tuple[str, ...]) -> None:
-    """copy_file_range refused (another filesystem: EXDEV), then sendfile too (EINVAL),
-    or no copy_file_range at all (macOS): the same bytes, by the next way."""
+def test_each_byte_of_a_range_is_read_once(tmp_path: Path, small_blocks: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is its own hash's read: no kernel copy (which would need a second read to
+    hash), and every range byte read once, by the writer."""
     src = _source(tmp_path, "w.bin", 100_000, 1)
     chunks = _mixed(src)
-    tried: list[str] = []
 
-    def refuse(name: str, code: int) -> Any:
-        def call(*args: Any) -> int:
-            tried.append(name)
-            raise OSError(code, os.strerror(code))
-        return call
+    def refuse(*args: Any) -> int:
+        raise AssertionError("a kernel copy: the bytes would be read again to hash them")
 
-    if broken == ("absent",):
-        monkeypatch.delattr(os, "copy_file_range", raising=False)
-    else:
-        monkeypatch.setattr(os, "copy_file_range", refuse("copy_file_range", errno.EXDEV))
-        if "sendfile" in broken:
-            monkeypatch.setattr(os, "sendfile", refuse("sendfile", errno.EINVAL))
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(os, "sendfile", refuse, raising=False)
+    read = [0]
+    real = om_format._read_into
+
+    def counting(fd: int, buf: memoryview, offset: int) -> int:
+        n = real(fd, buf, offset)
+        read[0] += n
+        return n
+
+    monkeypatch.setattr(om_format, "_read_into", counting)
     _write(tmp_path / "m.om", chunks)
+    assert read[0] == sum(c.length for c in chunks if isinstance(c, FileRange))
     monkeypatch.undo()
     _write(tmp_path / "ref.om", [_payload([c]) for c in chunks])
     assert (tmp_path / "m.om").read_bytes() == (tmp_path / "ref.om").read_bytes()
-    assert tried == [b for b in broken if b != "absent"]  # each refused once, then not tried again
 
 
 def _reference_hash(files: list[tuple[Path, bytes]]) -> str:
-    h = hashlib.sha256()
+    h = xxhash.xxh3_128()
     for path, prefix in files:
         h.update(prefix + path.read_bytes())
     return h.hexdigest()
@@ -222,7 +225,7 @@ def test_the_model_hash_comes_from_the_copy_reads(tmp_path: Path, small_blocks: 
     assert also.hexdigest() == _reference_hash(files)
     own = {"file order": 1000 + 16, "reversed": 1000 + 40_016 + 29_984}.get(order, 1000 + 120_000)
     assert read_by.get("npuc-source-hash", 0) == own
-    assert read_by.get("npuc-section-hash", 0) == sum(r.length for r in ranges) * (order != "none")
+    assert read_by.get(threading.current_thread().name, 0) == sum(r.length for r in ranges) * (order != "none")
 
 
 def test_the_longest_run_in_file_order_is_taken() -> None:
@@ -363,6 +366,6 @@ def test_the_compile_writes_what_write_om_writes(source: str, hf_checkpoints: di
     assert any(isinstance(c, FileRange) for c in weight_chunks(low, ranges=True))
     driver._write(low, str(tmp_path / "copied.om"), {}, src.files, lambda n: None)
     meta = {e.key: e.value for e in low.model.metadata}
-    assert meta["source_sha256"] == driver.source_hash(src.files) != driver._HASH_PENDING
+    assert meta["source_xxh3"] == driver.source_hash(src.files) != driver._HASH_PENDING
     write_om(low, str(tmp_path / "read.om"))
     assert (tmp_path / "copied.om").read_bytes() == (tmp_path / "read.om").read_bytes()

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import xxhash
+
+from npuc.backend import om_format
 from npuc.backend.om_format import (
     HEADER_SIZE,
     MAGIC,
@@ -72,7 +75,7 @@ def _open_error(path: Path) -> NpucError:
 
 def test_round_trip(om: Path) -> None:
     with OmFile.open(om) as f:
-        assert f.section_names() == [*SECTIONS, "weights", "tail"]
+        assert f.section_names() == [*SECTIONS, "weights.xxh3", "weights", "tail"]
         for name, data in SECTIONS.items():
             view = f.section(name)
             assert isinstance(view, memoryview) and view.readonly
@@ -85,7 +88,15 @@ def test_round_trip(om: Path) -> None:
         assert infos["tail"].offset % 128 == 0
         for info in infos.values():
             assert info.offset % SECTION_ALIGN_DEFAULT == 0
-            assert info.sha256 == hashlib.sha256(bytes(f.section(info.name))).hexdigest()
+            if info.name != "weights":
+                assert info.checksum == "sha256"
+                assert info.digest == hashlib.sha256(bytes(f.section(info.name))).hexdigest()
+        # One XXH3-128 per 4 MiB chunk (here one), listed in weights.xxh3; the weights entry
+        # holds the XXH3-128 of that list.
+        table = bytes(f.section("weights.xxh3"))
+        assert table == struct.pack("<QQ", 4 << 20, 1) + xxhash.xxh3_128_digest(WEIGHTS)
+        assert infos["weights"].checksum == "xxh3-128"
+        assert infos["weights"].digest == (xxhash.xxh3_128_digest(table) + bytes(16)).hex()
         assert infos["empty"].size == 0 and infos["one"].size == 1
     # The file ends exactly at the last payload.
     assert om.stat().st_size == infos["tail"].offset + 3
@@ -94,12 +105,12 @@ def test_round_trip(om: Path) -> None:
 def test_header_layout(om: Path) -> None:
     raw = om.read_bytes()
     magic, version, flags, count, reserved = struct.unpack_from("<8sIIII", raw, 0)
-    assert (magic, version, flags, count, reserved) == (MAGIC, 1, 0, 7, 0)
+    assert (magic, version, flags, count, reserved) == (MAGIC, 2, 0, 8, 0)
     table = raw[HEADER_SIZE : HEADER_SIZE + 64 * count]
     assert raw[24:56] == hashlib.sha256(table).digest()
     assert raw[56:64] == bytes(8)
     name, offset, size, digest = struct.unpack_from("<16sQQ32s", raw, HEADER_SIZE)
-    assert name == b"modeldef".ljust(16, b"\0") and offset == 64 + 64 * 7 and size == 185
+    assert name == b"modeldef".ljust(16, b"\0") and offset == 64 + 64 * 8 and size == 185
     assert digest == hashlib.sha256(SECTIONS["modeldef"]).digest()
 
 
@@ -135,7 +146,8 @@ def test_weights_only_is_page_aligned(tmp_path: Path) -> None:
     with OmWriter(path) as w:
         w.add_section("weights", b"\1" * WEIGHTS_ALIGN, align=WEIGHTS_ALIGN)
     with OmFile.open(path) as f:
-        (info,) = f.section_info()
+        table, info = f.section_info()
+        assert table.name == "weights.xxh3" and table.size == 16 + 16
         assert info.offset == WEIGHTS_ALIGN and info.size == WEIGHTS_ALIGN
 
 
@@ -163,7 +175,8 @@ def test_writer_rejects_misuse(tmp_path: Path) -> None:
                 lambda: w.add_section("x" * 17, b""),
                 lambda: w.add_section("b", b"", align=96),
                 lambda: w.add_section("b", b"", align=32),
-                lambda: w.add_section("weights", b"", align=64)):
+                lambda: w.add_section("weights", b"", align=64),
+                lambda: w.add_section("weights.xxh3", b"")):  # the writer's own
         with pytest.raises(InternalError):
             bad()
     w.close()
@@ -249,8 +262,21 @@ def test_unsupported_version(om: Path) -> None:
     struct.pack_into("<I", raw, 8, 7)
     om.write_bytes(raw)
     err = _open_error(om)
-    assert err.code == "NPUC-E0403" and "version 7" in err.message and "version 1" in err.message
+    assert err.code == "NPUC-E0403" and "version 7" in err.message and "reads version 2" in err.message
     assert "npuc compile" in err.hint
+
+
+def test_version_1_is_refused_with_a_coded_line(tmp_path: Path) -> None:
+    """A v1 file (SHA-256 over the weights, no chunk digests), as npuc <= this change wrote it."""
+    payload = b"model-bytes"
+    table = struct.pack("<16sQQ32s", b"modeldef".ljust(16, b"\0"), 128, len(payload), hashlib.sha256(payload).digest())
+    raw = struct.pack("<8sIIII32s8s", MAGIC, 1, 0, 1, 0, hashlib.sha256(table).digest(), bytes(8)) + table + payload
+    path = tmp_path / "v1.om"
+    path.write_bytes(raw)
+    err = _open_error(path)
+    assert err.code == "NPUC-E0403"
+    assert err.message == f"'{path}' has .om format version 1; this npuc reads version 2"
+    assert "recompile" in err.hint
 
 
 def _small(tmp_path: Path) -> Path:
@@ -298,15 +324,104 @@ def test_payload_and_padding_bit_flips_are_npuc_errors(om: Path) -> None:
         assert err.code == "NPUC-E0405" and "the file is corrupt" in err.message
 
 
-def test_payload_flip_undetected_without_verify(om: Path) -> None:
+def test_header_sections_are_checked_even_without_verify(om: Path) -> None:
     raw = bytearray(om.read_bytes())
     with OmFile.open(om) as f:
         info = next(i for i in f.section_info() if i.name == "modeldef")
     raw[info.offset] ^= 1
     om.write_bytes(raw)
     assert _open_error(om).message == "section 'modeldef' fails its checksum: the file is corrupt"
-    with OmFile.open(om, verify=False) as f:
-        assert f.section("modeldef")[0] == SECTIONS["modeldef"][0] ^ 1
+    with pytest.raises(NpucError, match="section 'modeldef' fails its checksum"):
+        OmFile.open(om, verify=False)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(om_format, "CHUNK_SIZE", 4096)
+    return 4096
+
+
+def test_a_flipped_weight_byte_is_caught_by_its_chunk(tmp_path: Path, small_chunks: int) -> None:
+    """WEIGHTS (10,003 bytes) in 4096-byte chunks: three digests; a flip in chunk k names k.
+    Without verify the weights are not read at all, so the flip goes unseen there."""
+    path = tmp_path / "m.om"
+    _write(path)
+    with OmFile.open(path) as f:
+        w = next(i for i in f.section_info() if i.name == "weights")
+        table = bytes(f.section("weights.xxh3"))
+    assert table[:16] == struct.pack("<QQ", 4096, 3)
+    assert [table[16 + 16 * k:32 + 16 * k] for k in range(3)] == [
+        xxhash.xxh3_128_digest(WEIGHTS[k * 4096:(k + 1) * 4096]) for k in range(3)]
+    good = path.read_bytes()
+    for pos, k in ((0, 0), (4095, 0), (4096, 1), (9000, 2), (len(WEIGHTS) - 1, 2)):
+        raw = bytearray(good)
+        raw[w.offset + pos] ^= 0x10
+        path.write_bytes(raw)
+        err = _open_error(path)
+        assert err.code == "NPUC-E0405"
+        assert err.message == (f"section 'weights' (chunk {k}, bytes {k * 4096}..{min((k + 1) * 4096, len(WEIGHTS))}) "
+                               "fails its checksum: the file is corrupt")
+        with OmFile.open(path, verify=False) as f:
+            assert f.section("weights")[pos] == WEIGHTS[pos] ^ 0x10
+
+
+def test_the_chunk_size_is_recorded_and_read_back(tmp_path: Path, small_chunks: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file written with 4 KiB chunks reads with any CHUNK_SIZE: the reader takes the file's."""
+    path = tmp_path / "m.om"
+    _write(path)
+    monkeypatch.setattr(om_format, "CHUNK_SIZE", 1 << 20)
+    with OmFile.open(path) as f:
+        assert bytes(f.section("weights")) == WEIGHTS
+
+
+def _reseal(raw: bytearray, name: str, payload: bytes | None = None) -> None:
+    """Replace section `name`'s payload (same size) and its SHA-256, and re-seal the table."""
+    (count,) = struct.unpack_from("<I", raw, 16)
+    for i in range(count):
+        at = HEADER_SIZE + 64 * i
+        n, off, size, _ = struct.unpack_from("<16sQQ32s", raw, at)
+        if n.rstrip(b"\0") == name.encode():
+            if payload is not None:
+                assert len(payload) == size
+                raw[off:off + size] = payload
+            raw[at + 32:at + 64] = hashlib.sha256(bytes(raw[off:off + size])).digest()
+    raw[24:56] = hashlib.sha256(bytes(raw[HEADER_SIZE:HEADER_SIZE + 64 * count])).digest()
+
+
+@pytest.mark.parametrize(("edit", "code", "words"), [
+    ("chunk 3000", "NPUC-E0404", "chunk size 3000, not a power of two in 4096..1073741824"),
+    ("chunk 2048", "NPUC-E0404", "chunk size 2048, not a power of two"),
+    ("chunk 8192", "NPUC-E0404", "lists 3 chunks in 64 bytes; 10003 bytes of weights in chunks of 8192 need 2"),
+    ("count 2", "NPUC-E0404", "lists 2 chunks in 64 bytes"),
+    ("digest", "NPUC-E0405", "the chunk digests of section 'weights' fails its checksum"),
+    ("no table", "NPUC-E0404", "section 'weights' has no chunk digests (no section 'weights.xxh3')"),
+    ("no weights", "NPUC-E0404", "section 'weights.xxh3' is there without a 'weights' section"),
+])
+def test_a_resealed_chunk_table_that_lies_is_refused(tmp_path: Path, small_chunks: int, edit: str, code: str,
+                                                     words: str) -> None:
+    """Edits a fuzzer makes with every SHA-256 re-sealed: the structure checks still refuse them."""
+    path = tmp_path / "m.om"
+    _write(path)
+    raw = bytearray(path.read_bytes())
+    with OmFile.open(path) as f:
+        names = f.section_names()
+        table = bytearray(f.section("weights.xxh3"))
+    if edit.startswith(("chunk", "count")):
+        struct.pack_into("<Q", table, 0 if edit.startswith("chunk") else 8, int(edit.split()[1]))
+        _reseal(raw, "weights.xxh3", bytes(table))
+    elif edit == "digest":
+        table[20] ^= 1  # a chunk digest changed and its section re-sealed, the weights entry not
+        _reseal(raw, "weights.xxh3", bytes(table))
+    else:  # rename a section away
+        i = names.index("weights.xxh3" if edit == "no table" else "weights")
+        raw[HEADER_SIZE + 64 * i:HEADER_SIZE + 64 * i + 16] = b"other".ljust(16, b"\0")
+        _reseal(raw, "other")
+    path.write_bytes(raw)
+    for verify in (True, False):  # structure is checked without verify too
+        with pytest.raises(NpucError) as e:
+            OmFile.open(path, verify=verify)
+        assert e.value.code == code and words in e.value.message, e.value.message
 
 
 def _rewrite_entry(raw: bytearray, index: int, offset: int | None = None, size: int | None = None) -> None:

@@ -83,7 +83,9 @@ def test_info_table(om_path: Path) -> None:
     for op, n in Counter(o.op for o in sess.program.ops).items():
         assert row(op, str(n)), op
     for s in sess.om.section_info():
-        assert re.search(rf"^{s.name}\s+{s.offset:,}\s+{s.size:,}\s+{s.sha256[:16]}$", out, re.M), s.name
+        assert re.search(rf"^{re.escape(s.name)}\s+{s.offset:,}\s+{s.size:,}\s+{s.checksum}\s+{s.digest[:16]}$", out,
+                         re.M), s.name
+    assert {s.name: s.checksum for s in sess.om.section_info()}["weights"] == "xxh3-128"
     # The key column is aligned: every value of the head table starts in the same column.
     head = out.split("\n\n")[0].splitlines()
     starts = [m.end() for ln in head if (m := re.search(r"\S\s{2,}", ln))]
@@ -169,10 +171,13 @@ def test_validate_rejects_a_damaged_file(om_path: Path, tmp_path: Path, damage: 
         data[where[damage.removeprefix("bitflip_")]] ^= 0x10
     bad = tmp_path / "bad.om"
     bad.write_bytes(bytes(data))
-    _one_line_error(cli("validate", str(bad)), code)
+    first = _one_line_error(cli("validate", str(bad)), code)
     if damage == "bitflip_modeldef":  # info and dump --json check the model definition's checksum too
         _one_line_error(cli("info", str(bad)), "NPUC-E0405")
         _one_line_error(cli("dump", "--json", str(bad)), "NPUC-E0405")
+    if damage == "bitflip_weights":  # caught by its chunk's XXH3-128; info never reads the weights
+        assert "section 'weights' (chunk 0, bytes " in first, first
+        assert cli("info", str(bad)).returncode == 0
 
 
 # --- dump --json -----------------------------------------------------------------
@@ -189,13 +194,15 @@ def test_dump_json_has_the_whole_model(om_path: Path) -> None:
     assert [(o["op"], o["name"], o["unit"]) for o in prog["ops"]] == [
         (o.op, o.name, o.unit) for o in sess.program.ops]
     assert len(doc["modeldef"]["tensors"]) == len(sess.tensors)
-    assert [s["name"] for s in doc["sections"]] == ["modeldef", "plan", "tasks", "metadata", "weights"]
+    assert [s["name"] for s in doc["sections"]] == ["modeldef", "plan", "tasks", "metadata", "weights.xxh3",
+                                                    "weights"]
+    assert [s["checksum"] for s in doc["sections"]] == ["sha256"] * 5 + ["xxh3-128"]
     assert int(prog["plan"]["arena_bytes"]) == sess.arena_bytes  # proto3 JSON writes 64-bit ints as strings
     views = [t for t in doc["modeldef"]["tensors"] if "base" in t]
     assert views and all(t["region"] == "arena" for t in views)  # reshapes share their operand's buffer
     assert len(prog["plan"]["buffers"]) == sum(t.region == "arena" for t in sess.tensors) - len(views)
     meta = {e["key"]: e["value"] for e in doc["modeldef"]["metadata"]}
-    assert meta["target"] == "npu" and len(meta["source_sha256"]) == 64 and meta["option.input_shape"]
+    assert meta["target"] == "npu" and len(meta["source_xxh3"]) == 32 and meta["option.input_shape"]
 
 
 def test_om_tools_need_only_the_runtime_dependencies() -> None:

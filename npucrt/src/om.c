@@ -15,10 +15,12 @@
  * a string the model keeps must not hold a NUL byte (C strings), and a repeated field may not
  * hold 2^31 or more entries.
  */
+#define _POSIX_C_SOURCE 200809L /* posix_madvise */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "model.h"
 #include "sha256.h"
@@ -26,6 +28,13 @@
 
 #define HEADER_SIZE 64u
 #define ENTRY_SIZE 64u
+#define OM_VERSION 2u
+/* The weights' chunk digests (docs/om-format.md): chunk size u64, chunk count u64, then one
+ * 16-byte XXH3-128 per chunk. backend/om_format.py's _CHUNK_MIN/_CHUNK_MAX bound the size. */
+#define WEIGHTS_DIGESTS "weights.xxh3"
+#define CHUNKS_HEAD 16u
+#define CHUNK_MIN 4096u
+#define CHUNK_MAX (1ull << 30)
 #define HINT_CONTAINER "the file is damaged or incomplete; recompile the model with `npuc compile`"
 
 static const uint8_t MAGIC[8] = {'N', 'P', 'U', 'C', 'O', 'M', 0, 1};
@@ -884,6 +893,65 @@ static int no_section(const npuc_model *m, const char *name, npuc_error *err) {
                    "(sections: %s)", name, m->n_sections ? have : "none");
 }
 
+/* backend/om_format.py `_check_chunk_table`: the chunk digests and the weights come together,
+ * one digest per chunk of a size in CHUNK_MIN..CHUNK_MAX (a power of two), and the weights
+ * entry's digest is the XXH3-128 of that list followed by 16 zero bytes. */
+static int check_chunk_table(const npuc_model *m, const rt_section *w, const rt_section *t, uint64_t *chunk,
+                             npuc_error *err) {
+    if (t == NULL) return corrupt(err, "section 'weights' has no chunk digests (no section '" WEIGHTS_DIGESTS "')");
+    if (w == NULL) return corrupt(err, "section '" WEIGHTS_DIGESTS "' is there without a 'weights' section");
+    if (t->size < CHUNKS_HEAD)
+        return corrupt(err, "section '" WEIGHTS_DIGESTS "' has %llu bytes, less than its %u-byte head",
+                       (unsigned long long)t->size, CHUNKS_HEAD);
+    const uint8_t *p = m->data + t->offset;
+    uint64_t size = rd64(p), count = rd64(p + 8);
+    if (size < CHUNK_MIN || size > CHUNK_MAX || (size & (size - 1)))
+        return corrupt(err, "section '" WEIGHTS_DIGESTS "' has chunk size %llu, not a power of two in %u..%llu",
+                       (unsigned long long)size, CHUNK_MIN, (unsigned long long)CHUNK_MAX);
+    uint64_t want = w->size / size + (w->size % size != 0); /* size >= 4096: no overflow below */
+    if (count != want || t->size != CHUNKS_HEAD + 16u * want)
+        return corrupt(err, "section '" WEIGHTS_DIGESTS "' lists %llu chunks in %llu bytes; %llu bytes of weights "
+                       "in chunks of %llu need %llu in %llu bytes", (unsigned long long)count,
+                       (unsigned long long)t->size, (unsigned long long)w->size, (unsigned long long)size,
+                       (unsigned long long)want, (unsigned long long)(CHUNKS_HEAD + 16u * want));
+#ifndef NPUC_FUZZ_NO_CHECKSUMS
+    uint8_t digest[32] = {0};
+    npuc_xxh3_128(p, (size_t)t->size, digest);
+    if (memcmp(digest, w->sha256, 32) != 0) return checksum(err, "the chunk digests of section 'weights'");
+#endif
+    *chunk = size;
+    return NPUC_OK;
+}
+
+#ifndef NPUC_FUZZ_NO_CHECKSUMS
+/* Every weights chunk against its XXH3-128, read through the mapping the run then uses: the
+ * pages this faults in (the kernel's readahead, asked for sequentially) are the ones the first
+ * run would have faulted in, so a cold load costs one read of the file either way. */
+static int verify_weights(const npuc_model *m, const rt_section *w, const rt_section *t, uint64_t chunk,
+                          npuc_error *err) {
+    const uint8_t *base = m->data + w->offset, *want = m->data + t->offset + CHUNKS_HEAD;
+    if (m->mapping != NULL && w->size) {
+        /* A page-aligned start where pages are 4096 bytes (the weights' alignment); elsewhere
+         * the advice is refused, and it is only advice. */
+        (void)posix_madvise((void *)(uintptr_t)base, (size_t)w->size, POSIX_MADV_SEQUENTIAL);
+    }
+    uint64_t n_chunks = (t->size - CHUNKS_HEAD) / 16u;
+    for (uint64_t k = 0; k < n_chunks; k++) {
+        uint64_t start = k * chunk, n = w->size - start < chunk ? w->size - start : chunk;
+        uint8_t digest[16];
+        npuc_xxh3_128(base + start, (size_t)n, digest);
+        if (memcmp(digest, want + 16u * k, 16) != 0) {
+            char what[128];
+            snprintf(what, sizeof what, "section 'weights' (chunk %llu, bytes %llu..%llu)", (unsigned long long)k,
+                     (unsigned long long)start, (unsigned long long)(start + n));
+            return checksum(err, what);
+        }
+    }
+    if (m->mapping != NULL && w->size) (void)posix_madvise((void *)(uintptr_t)base, (size_t)w->size, POSIX_MADV_NORMAL);
+    return NPUC_OK;
+}
+#endif
+
 /* backend/om_format.py `_parse`, check for check. */
 static int parse_container(npuc_model *m, int verify, npuc_error *err) {
     const uint8_t *d = m->data;
@@ -895,9 +963,11 @@ static int parse_container(npuc_model *m, int verify, npuc_error *err) {
     }
     if (memcmp(d, MAGIC, 8) != 0) return bad_magic(m, err);
     uint32_t version = rd32(d + 8), flags = rd32(d + 12), count = rd32(d + 16), reserved = rd32(d + 20);
-    if (version != 1)
+    /* Version 1 (SHA-256 over every weight byte) is not read: a recompile writes version 2. */
+    if (version != OM_VERSION)
         return rt_fail(err, NPUC_E_VERSION, "recompile the model with `npuc compile` from this npuc release",
-                       "'%s' has .om format version %u; this npuc reads version 1", m->path, version);
+                       "'%s' has .om format version %u; this npuc reads version %u", m->path, version,
+                       (unsigned)OM_VERSION);
     if (flags != 0)
         return rt_fail(err, NPUC_E_VERSION, "recompile the model with `npuc compile` from this npuc release",
                        "'%s' uses .om format flags %#x, which this npuc does not support", m->path, flags);
@@ -949,7 +1019,7 @@ static int parse_container(npuc_model *m, int verify, npuc_error *err) {
                 return checksum(err, what);
             }
         }
-        /* The model holds RT_MAX_SECTIONS entries (a writer makes six at most): a file of more is
+        /* The model holds RT_MAX_SECTIONS entries (a writer makes seven at most): a file of more is
          * refused here, once all before it have passed the checks Python makes of them. */
         if (m->n_sections == RT_MAX_SECTIONS)
             return corrupt(err, "it has %u sections; this runtime reads at most %d", count, RT_MAX_SECTIONS);
@@ -962,20 +1032,29 @@ static int parse_container(npuc_model *m, int verify, npuc_error *err) {
     }
     if (prev_end != size) return corrupt(err, "%llu unexpected bytes after the last section",
                                          (unsigned long long)(size - prev_end));
+    /* Every section but the weights: its SHA-256, always (the model definition, the chunk
+     * digests, a tokenizer: small). */
 #ifndef NPUC_FUZZ_NO_CHECKSUMS
-    if (verify) {
-        for (int32_t i = 0; i < m->n_sections; i++) {
-            const rt_section *s = &m->sections[i];
-            npuc_sha256(d + s->offset, (size_t)s->size, digest);
-            if (memcmp(digest, s->sha256, 32) != 0) {
-                char what[64];
-                snprintf(what, sizeof what, "section '%s'", s->name);
-                return checksum(err, what);
-            }
+    for (int32_t i = 0; i < m->n_sections; i++) {
+        const rt_section *s = &m->sections[i];
+        if (strcmp(s->name, "weights") == 0) continue;
+        npuc_sha256(d + s->offset, (size_t)s->size, digest);
+        if (memcmp(digest, s->sha256, 32) != 0) {
+            char what[64];
+            snprintf(what, sizeof what, "section '%s'", s->name);
+            return checksum(err, what);
         }
     }
+#endif
+    const rt_section *w = npuc_om_section(m, "weights"), *t = npuc_om_section(m, WEIGHTS_DIGESTS);
+    if (w == NULL && t == NULL) return NPUC_OK;
+    uint64_t chunk = 0;
+    int rc = check_chunk_table(m, w, t, &chunk, err);
+    if (rc) return rc;
+#ifndef NPUC_FUZZ_NO_CHECKSUMS
+    if (verify) return verify_weights(m, w, t, chunk, err);
 #else
-    (void)verify; /* the fuzz build only: a fuzzer cannot forge SHA-256, so no hash is checked */
+    (void)verify; /* the fuzz build only: a fuzzer cannot forge the checksums, so none is checked */
 #endif
     return NPUC_OK;
 }

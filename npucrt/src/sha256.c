@@ -1,6 +1,7 @@
-/* SHA-256 (FIPS 180-4): the checksum of every `.om` section. Portable C, plus the x86 SHA
- * extensions (SHA-NI), chosen at run time by CPUID: the loader hashes every byte of the weights
- * before using them, and SHA-NI does that about 4x faster than the portable rounds.
+/* The `.om` checksums. SHA-256 (FIPS 180-4), of every header section and the section table:
+ * portable C, plus the x86 SHA extensions (SHA-NI), chosen at run time by CPUID. XXH3-128, of
+ * each weights chunk: xxHash's own code (third_party/xxhash.h, BSD-2-Clause), inlined here so
+ * that no symbol of it leaves the library and an application linking its own xxHash is unaffected.
  */
 #include <string.h>
 
@@ -170,4 +171,17 @@ void npuc_sha256(const void *data, size_t n, uint8_t out[32]) {
     npuc_sha256_init(&c);
     npuc_sha256_update(&c, data, n);
     npuc_sha256_final(&c, out);
+}
+
+/* ---- XXH3-128 ------------------------------------------------------------------------------ */
+
+/* Inlined, all static: the library exports none of xxHash's names. The header builds clean
+ * under the loader's warnings (-Wall -Wextra -Wpedantic -Wshadow -Wconversion -Werror). */
+#define XXH_INLINE_ALL
+#include "third_party/xxhash.h"
+
+void npuc_xxh3_128(const void *data, size_t n, uint8_t out[16]) {
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits(data, n));
+    memcpy(out, c.digest, 16);
 }

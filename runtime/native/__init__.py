@@ -31,7 +31,7 @@ log = logging.getLogger("npuc")
 ROOT = Path(__file__).resolve().parent.parent.parent  # the npuc package: npucrt/ and include/ beside runtime/
 SOURCE_DIR = ROOT / "npucrt" / "src"
 INCLUDE_DIR = ROOT / "include"
-ABI = 8
+ABI = 9
 
 
 def sources() -> list[Path]:
@@ -39,7 +39,8 @@ def sources() -> list[Path]:
 
 
 def _headers() -> list[Path]:
-    return sorted([*SOURCE_DIR.glob("*.h"), *INCLUDE_DIR.glob("*.h")])
+    # third_party/: the vendored xxhash.h that sha256.c inlines
+    return sorted([*SOURCE_DIR.glob("*.h"), *SOURCE_DIR.glob("third_party/*.h"), *INCLUDE_DIR.glob("*.h")])
 
 
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-math-errno", f"-I{INCLUDE_DIR}", f"-I{SOURCE_DIR}")
@@ -102,6 +103,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.npuc_rms_norm_f32.argtypes = [PTR, PTR, FLOAT, PTR, I64, I64, INT]
     lib.npuc_rope_f32.argtypes = [PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64, INT, I64, INT]
     lib.npuc_kv_write.argtypes = [PTR, INT, PTR, INT, PTR, I64, I64, I64, I64, I64, I64, I64]
+    lib.npuc_cached_attention_scratch_floats.argtypes = [I64, I64, I64, I64, I64, I64, I64, INT]
+    lib.npuc_cached_attention_scratch_floats.restype = I64
     lib.npuc_cached_attention.argtypes = [PTR, INT, PTR, PTR, INT, PTR, I64, PTR, INT, I64, I64, I64, I64, I64,
                                           I64, I64, FLOAT, PTR, INT]
     lib.npuc_swiglu_f32.argtypes = [PTR, PTR, PTR, I64, INT]
