@@ -30,6 +30,7 @@ from npuc.compiler.gguf_import import eos_token_ids, is_gguf, tokenizer_files
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
+from npuc.compiler.rope_scaling import decode_tables, length_dependent, traceable
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
@@ -38,6 +39,7 @@ from npuc.ir.evaluate import evaluate_value, reads_inputs
 from npuc.passes.attention_fusion import hides_nothing, mask_window
 from npuc.passes.decode_check import DecodeCheck, DecodeProbe
 from npuc.passes.kv_cache import FROM_DATA, UNCHECKED, KVCache, LongTrace
+from npuc.passes.mask_analysis import UNKNOWN, mask_window_of
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
@@ -73,8 +75,9 @@ def _trace(loaded: LoadedModel, kwargs: dict[str, Any], fixed: Mapping[str, Any]
     kwargs = {**kwargs, **{k: v for k, v in fixed.items() if k not in bound}}
     if dynamic_shapes is not None:
         dynamic_shapes = {**{k: None for k in kwargs}, **dynamic_shapes}
-    # Each recurrence transformers names for its kernel hub becomes one op (compiler/recurrent.py)
-    with recurrences_as_ops(loaded.module):
+    # Each recurrence transformers names for its kernel hub becomes one op (compiler/recurrent.py);
+    # RoPE that depends on the sequence length, tensor ops (compiler/rope_scaling.py)
+    with recurrences_as_ops(loaded.module), traceable(loaded.module):
         if not bound:
             return _run_export(loaded.module, (), kwargs, dynamic_shapes)
         # A tensor kwarg would become a graph input; bound into forward it is a constant
@@ -263,7 +266,8 @@ MASK_EVAL_BYTES = 1 << 28
 
 def _long_window(g: Graph, n: Node) -> int | None:
     """An attention's mask at max_seq_len: 0 causal, w a sliding window, None another mask,
-    FROM_DATA one computed from the tokens, UNCHECKED one too large to evaluate."""
+    FROM_DATA one computed from the tokens, UNCHECKED one neither read from how it is built
+    (passes/mask_analysis.py) nor small enough to evaluate."""
     if n.op == "mla_attention":
         return 0 if n.attrs.get("causal") else None
     if len(n.inputs) == 3 or hides_nothing(n.inputs[3]):  # no mask, or the slot before sinks
@@ -273,6 +277,9 @@ def _long_window(g: Graph, n: Node) -> int | None:
         return None  # attention fusion read it already: not causal, not a window
     if reads_inputs(n.inputs[3]):
         return FROM_DATA
+    window = mask_window_of(n.inputs[3], q_len, k_len)  # read from how it is built: any length
+    if window != UNKNOWN:
+        return window  # type: ignore[return-value]
     values = evaluate_value(g, n.inputs[3], max_bytes=MASK_EVAL_BYTES)
     if values is None:
         return UNCHECKED
@@ -336,7 +343,17 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     positions = (DECODE_TRACE_POSITION + torch.arange(decode_tokens)).repeat(batch, 1)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, decode_tokens)}, {"position_ids": positions}))
     full = _import(loaded, _export(loaded, {ids.name: (ids.type.shape[0], max_seq_len)}))
-    return decode, dataclasses.replace(_rope_tables(full), layers=_layers(loaded))
+    tables = _scaled_rope(loaded, _rope_tables(full), ids.type.shape[1], max_seq_len)
+    return decode, dataclasses.replace(tables, layers=_layers(loaded))
+
+
+def _scaled_rope(loaded: LoadedModel, trace: LongTrace, prefill_len: int, max_seq_len: int) -> LongTrace:
+    """`trace` with the tables of RoPE that depends on the sequence length (dynamic NTK,
+    LongRoPE) as decode and the prefill read them (compiler/rope_scaling.py)."""
+    rotaries = length_dependent(loaded.module) if loaded.module is not None else []
+    if not rotaries:
+        return trace
+    return dataclasses.replace(trace, tables=decode_tables(rotaries, trace.tables, prefill_len, max_seq_len))
 
 
 def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
@@ -370,7 +387,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     if programs is not None:
         try:
             prefill, decode, full = (_import(loaded, ep) for ep in programs[:3])
-            tables = _rope_tables(full)
+            tables = _scaled_rope(loaded, _rope_tables(full), shapes[next(iter(shapes))][1], max_seq_len)
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:

@@ -42,6 +42,7 @@ import torch
 from npuc.ir import DType, Value, get_op
 from npuc.ir.fused_ops import window_mask
 from npuc.ir.ops import ShapeError, broadcast
+from npuc.passes.mask_analysis import UNKNOWN, mask_window_of
 from npuc.passes.rewrite import (
     Builder,
     Match,
@@ -103,9 +104,13 @@ def hides_nothing(mask: Value) -> bool:
 def causal_window(mask: Value, q_len: int, k_len: int) -> int | None:
     """Whether a constant mask is exactly the (top-left aligned) causal mask: 0 if it is,
     the window w if it is the causal band of a sliding window (query i sees keys
-    i-w+1..i, w < q_len), None otherwise."""
-    if mask.const is None or mask.type.rank < 2 or mask.type.shape[-2:] != (q_len, k_len):
+    i-w+1..i, w < q_len), None otherwise. A mask computed from constants (too large to fold:
+    a long prompt's) is read from how it is built, never evaluated (passes/mask_analysis.py)."""
+    if mask.type.rank < 2 or mask.type.shape[-2:] != (q_len, k_len):
         return None
+    if mask.const is None:
+        window = mask_window_of(mask, q_len, k_len)
+        return None if window == UNKNOWN else window  # type: ignore[return-value]
     if any(d != 1 for d in mask.type.shape[:-2]) and mask.type.numel > (1 << 22):
         return None
     return mask_window(mask.const.load(), q_len, k_len)
