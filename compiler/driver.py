@@ -30,7 +30,7 @@ from npuc.compiler.gguf_import import eos_token_ids, is_gguf, tokenizer_files
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
-from npuc.compiler.rope_scaling import decode_tables, length_dependent, traceable
+from npuc.compiler.rope_scaling import at_cache_length, traceable
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
@@ -330,6 +330,7 @@ def _rope_tables(full: Graph) -> LongTrace:
     return LongTrace(tables, windows, alibi=alibi if any(alibi) else ())
 
 
+@at_cache_length  # RoPE whose frequencies depend on the length: compiler/rope_scaling.py
 def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: Mapping[str, Any] | None,
                    loaded: LoadedModel | None = None, *, trust_pickle: bool = False, slots: int = 0,
                    decode_tokens: int = 1) -> tuple[Graph, LongTrace]:
@@ -343,19 +344,10 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
     positions = (DECODE_TRACE_POSITION + torch.arange(decode_tokens)).repeat(batch, 1)
     decode = _import(loaded, _export(loaded, {ids.name: (batch, decode_tokens)}, {"position_ids": positions}))
     full = _import(loaded, _export(loaded, {ids.name: (ids.type.shape[0], max_seq_len)}))
-    tables = _scaled_rope(loaded, _rope_tables(full), ids.type.shape[1], max_seq_len)
-    return decode, dataclasses.replace(tables, layers=_layers(loaded))
+    return decode, dataclasses.replace(_rope_tables(full), layers=_layers(loaded))
 
 
-def _scaled_rope(loaded: LoadedModel, trace: LongTrace, prefill_len: int, max_seq_len: int) -> LongTrace:
-    """`trace` with the tables of RoPE that depends on the sequence length (dynamic NTK,
-    LongRoPE) as decode and the prefill read them (compiler/rope_scaling.py)."""
-    rotaries = length_dependent(loaded.module) if loaded.module is not None else []
-    if not rotaries:
-        return trace
-    return dataclasses.replace(trace, tables=decode_tables(rotaries, trace.tables, prefill_len, max_seq_len))
-
-
+@at_cache_length  # RoPE whose frequencies depend on the length: compiler/rope_scaling.py
 def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
                    *, trust_pickle: bool = False, decode_tokens: int = 1) -> tuple[Graph, Graph, LongTrace, Source]:
     """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
@@ -387,7 +379,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     if programs is not None:
         try:
             prefill, decode, full = (_import(loaded, ep) for ep in programs[:3])
-            tables = _scaled_rope(loaded, _rope_tables(full), shapes[next(iter(shapes))][1], max_seq_len)
+            tables = _rope_tables(full)
         except NpucError as e:
             log.debug("the programs of one trace do not import (%s): tracing each length", e)
         else:
