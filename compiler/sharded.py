@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from npuc.backend.lower import Lowered, lower
@@ -74,6 +74,9 @@ class RankPlan:
     wire_bytes: dict[str, int]  # per run of each program, sent by this rank in its collectives
     collectives: dict[str, int]  # per program
     capacity_bytes: int  # the target's
+    # Each program's arena, and the planner's lower bound for it (the most bytes live at once)
+    arenas: dict[str, int] = field(default_factory=dict)
+    lower_bounds: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -144,5 +147,6 @@ def _plan(rank: int, programs: Sequence[Graph], low: Lowered, replicated: int, t
     states = {s.name: s.type for g in programs for s in g.states.values()}
     kv = sum(t.nbytes // (t.shape[0] * t.shape[2]) for t in states.values() if t.rank == 4 and t.shape[0] * t.shape[2])
     return RankPlan(rank, low.weights_bytes, replicated, low.arena_bytes, low.state_bytes, kv, wire, colls,
-                    target.capacity_bytes)
+                    target.capacity_bytes, {g.name: p.arena_bytes for g, p in zip(programs, low.plans, strict=True)},
+                    {g.name: p.lower_bound for g, p in zip(programs, low.plans, strict=True)})
 
