@@ -16,6 +16,7 @@ import torch
 
 from npuc.errors import NpucError
 from npuc.ir import DType, get_op
+from npuc.ir.fused_ops import quantize_kv_rows
 from npuc.runtime import Session, native
 from npuc.runtime.launch import GEMV_MAX_ROWS, Bound, Launchers, tail_rows_read
 
@@ -313,6 +314,123 @@ def test_cached_attention(lib: Any, qdt: torch.dtype, cdt: torch.dtype, s: int, 
     _close(got, want, torch.bfloat16 if torch.bfloat16 in (qdt, cdt) else torch.float32)
 
 
+# -- KV caches of every layout (issue 35): f32, bf16, f16, packed int8 rows of D + 4 bytes -------
+
+_KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def _cache(b: int, h: int, length: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """A cache of random rows in `dtype`'s layout (int8: quantized by the reference)."""
+    rows = torch.randn(b, h, length, d, generator=g)
+    return quantize_kv_rows(rows) if dtype == torch.int8 else rows.to(dtype)
+
+
+@pytest.mark.parametrize("cdt", _KV_DTYPES)
+@pytest.mark.parametrize("ndt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_seq, slot", [(False, None), (True, None), (False, 2)])
+def test_kv_write_every_layout(lib: Any, cdt: torch.dtype, ndt: torch.dtype, per_seq: bool, slot: int | None
+                               ) -> None:
+    """Rows f32 or bf16 into each layout: bit-identical to the reference's rounding and
+    quantization (half to even), for all sequences, each at its own positions, or one slot."""
+    g = torch.Generator().manual_seed(35)
+    d, b = 19, 1 if slot is not None else 3  # an odd row: no vector width divides it
+    cache = _cache(3, 2, 40, d, cdt, g)
+    new = (torch.randn(b, 2, 3, d, generator=g) * 3).to(ndt)
+    new[0, 0, 0] = 0.0  # a zero row: scale 0, codes 0
+    new[0, 1, 1, :4] = torch.tensor([2.5, -2.5, 0.5, 127.0])  # ties (half to even) and the row's max
+    pos = torch.tensor([[5, 6, 39], [0, 1, 2], [37, 38, 39]])[:b] if per_seq else torch.tensor([5, 6, 39])
+    ins = [cache, new, pos] + ([torch.tensor([slot])] if slot is not None else [])
+    want = _ref("kv_write", ins, {})
+    kind, (got,) = _launch(lib, "kv_write", ins, {}, [])
+    assert kind == "native" and got.data_ptr() == cache.data_ptr()
+    assert torch.equal(got.view(torch.uint8) if cdt == torch.int8 else got, want.view(torch.uint8)
+                       if cdt == torch.int8 else want)
+
+
+def test_kv_write_int8_ties_round_half_to_even(lib: Any) -> None:
+    """x / scale exactly on .5: codes of a row with max 127 are x itself, so 2.5 -> 2, 3.5 -> 4."""
+    cache = torch.zeros(1, 1, 2, 8 + 4, dtype=torch.int8)
+    row = torch.tensor([2.5, 3.5, -2.5, -3.5, 0.5, 1.5, 127.0, -126.5]).reshape(1, 1, 1, 8)
+    kind, (got,) = _launch(lib, "kv_write", [cache, row, torch.tensor([1])], {}, [])
+    assert kind == "native"
+    assert got[0, 0, 1, 4:].tolist() == [2, 4, -2, -4, 0, 2, 127, -126]
+    assert got[0, 0, 1, :4].view(torch.float32).item() == 1.0
+
+
+def _attention_case(b: int, hq: int, hkv: int, s: int, length: int, d: int, dv: int, cdt: torch.dtype,
+                    qdt: torch.dtype, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, s, d, generator=g)).to(qdt)
+    return [q, _cache(b, hkv, length, d, cdt, g), _cache(b, hkv, length, dv, cdt, g)], torch.empty(b, hq, s, dv,
+                                                                                                   dtype=qdt)
+
+
+@pytest.mark.parametrize("cdt", _KV_DTYPES)
+@pytest.mark.parametrize("qdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, hq, hkv, s, length, d, dv, pos", [
+    (1, 12, 12, 1, 64, 64, 64, [63]),                      # the 125M's decode, at the cache's last row
+    (2, 8, 2, 1, 300, 64, 64, [[299], [7]]),               # GQA 4:1, two slots at their own depths
+    (1, 4, 1, 3, 50, 24, 40, [0, 17, 49]),                 # three queries, MQA, head dims 24 / 40
+    (2, 6, 3, 2, 33, 19, 13, [[0, 32], [5, 6]]),           # odd dims: the scalar paths
+    (1, 2, 1, 1, 1500, 64, 64, [1499]),                    # long: split across threads and merged
+    (1, 32, 1, 2, 90, 16, 16, [40, 89]),                   # 64 query rows of one kv head: two blocks
+])
+def test_cached_attention_every_layout(lib: Any, cdt: torch.dtype, qdt: torch.dtype, b: int, hq: int, hkv: int,
+                                       s: int, length: int, d: int, dv: int, pos: list) -> None:
+    ins, out = _attention_case(b, hq, hkv, s, length, d, dv, cdt, qdt, seed=b * 1000 + length + d)
+    ins.append(torch.tensor(pos))
+    attrs = {"scale": d ** -0.5}
+    want = _ref("cached_attention", ins, attrs)
+    kind, (got,) = _launch(lib, "cached_attention", ins, attrs, [out])
+    assert kind == "native"
+    _close(got, want, torch.bfloat16 if qdt == torch.bfloat16 else torch.float32)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 8])
+@pytest.mark.parametrize("cdt", _KV_DTYPES)
+def test_cached_attention_splits_merge_as_one(lib: Any, nt: int, cdt: torch.dtype) -> None:
+    """Flash-decoding: however many threads (so splits) a long cache is cut into, the merged
+    partial softmaxes give the reference's output; slots at different depths, the shallow one
+    with splits past its keys."""
+    b, hq, hkv, length, d = 2, 4, 1, 2100, 64
+    ins, out = _attention_case(b, hq, hkv, 1, length, d, d, cdt, torch.float32, seed=nt)
+    pos = torch.tensor([[2099], [300]])
+    want = _ref("cached_attention", [*ins, pos], {"scale": 0.125})
+    kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}[cdt]
+    ws = torch.empty(lib.npuc_cached_attention_scratch_floats(b, hq, 1, d, hkv, length, d, nt))
+    q, kc, vc = ins
+    rc = lib.npuc_cached_attention(q.data_ptr(), 0, kc.data_ptr(), vc.data_ptr(), kind, pos.data_ptr(), 1,
+                                   out.data_ptr(), 0, b, hq, 1, d, hkv, length, d, 0.125, ws.data_ptr(), nt)
+    assert rc == 0
+    _close(out, want)
+
+
+def test_cached_attention_refuses_a_bad_layout_or_position(lib: Any) -> None:
+    q, kc = torch.ones(1, 2, 1, 8), torch.ones(1, 1, 8, 8)
+    out, ws = torch.empty(1, 2, 1, 8), torch.empty(lib.npuc_cached_attention_scratch_floats(1, 2, 1, 8, 1, 8, 8, 2))
+    for kind, pos in [(4, 0), (-1, 0), (0, 8), (0, -1), (3, 8)]:
+        p = torch.tensor([pos])
+        assert lib.npuc_cached_attention(q.data_ptr(), 0, kc.data_ptr(), kc.data_ptr(), kind, p.data_ptr(), 0,
+                                         out.data_ptr(), 0, 1, 2, 1, 8, 1, 8, 8, 1.0, ws.data_ptr(), 2) != 0
+    assert lib.npuc_kv_write(kc.data_ptr(), 5, q.data_ptr(), 0, torch.tensor([0]).data_ptr(), 0, -1, 1, 1, 8, 1,
+                             8) != 0
+
+
+@pytest.mark.parametrize("s, length, causal", [(128, 128, True), (300, 300, True), (40, 700, False),
+                                               (530, 530, True)])
+def test_prefill_attention_tiles_match_sdpa(lib: Any, s: int, length: int, causal: bool) -> None:
+    """Prefill's GEMM attention over key tiles with an online softmax: lengths across tile
+    edges (256 keys), GQA, and all keys (not causal)."""
+    g = torch.Generator().manual_seed(s + length)
+    q, k, v = torch.randn(1, 4, s, 32, generator=g), torch.randn(1, 2, length, 32, generator=g), \
+        torch.randn(1, 2, length, 48, generator=g)
+    attrs = {"scale": 0.2, "causal": causal}
+    want = _ref("fused_attention", [q, k, v], attrs)
+    kind, (got,) = _launch(lib, "fused_attention", [q, k, v], attrs, [torch.empty(1, 4, s, 48)])
+    assert kind == "native"
+    _close(got, want)
+
+
 @pytest.mark.parametrize("name", ["swiglu", "add"])
 @pytest.mark.parametrize("n", [2048, 1000003])  # decode's size; a prefill's, cut over the pool with a tail
 def test_elementwise(lib: Any, name: str, n: int) -> None:
@@ -497,6 +615,14 @@ def test_broadcasting_add_is_not_native(lib: Any) -> None:
     ("kv_write", [torch.zeros(1, 2, 8, 4), torch.ones(1, 2, 1, 4), torch.tensor([-1])], {}, None),
     ("cached_attention", [torch.ones(1, 2, 1, 4), torch.ones(1, 2, 8, 4), torch.ones(1, 2, 8, 4),
                           torch.tensor([1 << 40])], {"scale": 1.0}, torch.empty(1, 2, 1, 4)),
+    ("kv_write", [torch.zeros(1, 2, 8, 4 + 4, dtype=torch.int8), torch.ones(1, 2, 1, 4), torch.tensor([8])], {},
+     None),
+    ("cached_attention", [torch.ones(1, 2, 1, 4), torch.ones(1, 2, 8, 4, dtype=torch.float16),
+                          torch.ones(1, 2, 8, 4, dtype=torch.float16), torch.tensor([8])], {"scale": 1.0},
+     torch.empty(1, 2, 1, 4)),
+    ("cached_attention", [torch.ones(1, 2, 1, 4), torch.zeros(1, 1, 8, 8, dtype=torch.int8),
+                          torch.zeros(1, 1, 8, 8, dtype=torch.int8), torch.tensor([[-1]])], {"scale": 1.0},
+     torch.empty(1, 2, 1, 4)),
     ("rope_lut", [torch.ones(1, 2, 1, 8), torch.tensor([9]), torch.ones(4, 4), torch.ones(4, 4)], {},
      torch.empty(1, 2, 1, 8)),
 ])

@@ -23,6 +23,7 @@ from npuc.backend.targets import get_target
 from npuc.backend.writer import write_om
 from npuc.errors import NpucError
 from npuc.ir import DType, Graph, TensorType, get_op
+from npuc.ir.fused_ops import quantize_kv_rows
 from npuc.runtime.session import Session
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -110,6 +111,25 @@ case("cached-decode-long", "cached_attention", [*qkv(2, 8, 2, 1, 700, d=32, dv=3
      {"scale": 0.18, "window": 512, "softcap": 30.0})
 case("cached-prefill-blocks", "cached_attention", [*qkv(1, 4, 1, 20, 48, d=5, dv=3), torch.arange(20) + 3,
                                                    randn(4)], {"scale": 0.4, "window": 7})
+# caches of another layout than q's (--kv_cache_dtype, issue 35): f16, or packed int8 rows of d + 4
+# bytes (an f32 scale, then d codes); plain (exec.c's flash-decoding kernel) and with a window,
+# soft-capping, sinks or ALiBi (this file's kernel); q f32 or bf16, GQA, slots at their own depths
+def kv_cache(b: int, h: int, keys: int, d: int, dt: torch.dtype) -> torch.Tensor:
+    rows = randn(b, h, keys, d)
+    return quantize_kv_rows(rows) if dt == torch.int8 else rows.to(dt)
+
+
+for cdt in (F16, torch.int8):
+    for qdt in (F32, BF16):
+        n = f"{str(cdt).split('.')[1]}-q{str(qdt).split('.')[1]}"
+        kv = [kv_cache(2, 2, 70, 16, cdt), kv_cache(2, 2, 70, 24, cdt)]
+        case(f"cached-{n}", "cached_attention", [randn(2, 4, 1, 16, dtype=qdt), *kv, torch.tensor([[69], [3]])],
+             {"scale": 0.3})
+        case(f"cached-{n}-window-sinks", "cached_attention", [randn(2, 4, 2, 16, dtype=qdt), *kv,
+                                                              torch.tensor([[40, 41], [0, 1]]), randn(4)],
+             {"scale": 0.3, "window": 9, "softcap": 4.0})
+        case(f"cached-{n}-alibi", "cached_attention", [randn(2, 4, 3, 16, dtype=qdt), *kv, torch.tensor([5, 6, 7])],
+             {"scale": 0.3, "alibi": SLOPES4})
 case("fused-scalar-mask-dv", "fused_attention", [*qkv(1, 2, 1, 3, 4, d=6, dv=10), torch.tensor(0.5)], {"scale": 1.0})
 case("fused-full-mask-shape", "fused_attention", [*qkv(2, 2, 1, 3, 4), addmask(2, 2, 3, 4)], {"scale": 0.5})
 case("sdpa-rank3", "sdpa", [randn(3, 5, 4), randn(3, 6, 4), randn(3, 6, 2), randbool(3, 5, 6)], {})

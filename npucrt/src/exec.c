@@ -402,11 +402,22 @@ static int run_kv_write(const rt_step *st, npuc_session *s) {
                : 0;
 }
 
+/* The layout of a K/V cache of dtype dt (kernels.h's NPUC_KV_*), or -1: f32, bf16, f16, or
+ * i8 (rows of an f32 scale and D codes, D + 4 bytes; docs/kv-cache.md). */
+static int kv_kind(int dt) {
+    return dt == NPUC_F32 ? NPUC_KV_F32 : dt == NPUC_BF16 ? NPUC_KV_BF16 : dt == NPUC_F16 ? NPUC_KV_F16
+           : dt == NPUC_I8 ? NPUC_KV_I8 : -1;
+}
+
+/* A cache row's last dim for rows of d values: d, or d + 4 for int8's scale. */
+static int64_t kv_last(int kind, int64_t d) { return kind == NPUC_KV_I8 ? d + 4 : d; }
+
 static int bind_kv_write(rt_binder *b, rt_step *st) {
     const rt_view *cache = &st->in[0], *nw = &st->in[1], *pos = &st->in[2];
     const rt_view *slot = st->n_in > 3 ? &st->in[3] : NULL;
-    if (cache->rank != 4 || nw->rank != 4 || cache->shape[1] != nw->shape[1] || cache->shape[3] != nw->shape[3] ||
-        nw->shape[2] > cache->shape[2] || cache->dtype != nw->dtype ||
+    int kind = kv_kind(cache->dtype);
+    if (cache->rank != 4 || nw->rank != 4 || cache->shape[1] != nw->shape[1] ||
+        (kind >= 0 && cache->shape[3] != kv_last(kind, nw->shape[3])) || nw->shape[2] > cache->shape[2] ||
         nw->shape[0] != (slot != NULL ? 1 : cache->shape[0]))
         return does_not_fit(b, st, "the rows do not fit the cache");
     int64_t S = nw->shape[2];
@@ -418,18 +429,18 @@ static int bind_kv_write(rt_binder *b, rt_step *st) {
         return does_not_fit(b, st, "the slot is not i64[1]");
     if (!out_like(st, 0, cache, cache->dtype) || !st->out_is_in0)
         return does_not_fit(b, st, "kv_write's result is its cache, in place");
-    if (!is_float(cache->dtype) || pos->dtype != NPUC_I64 || (slot != NULL && slot->dtype != NPUC_I64))
-        return no_kernel(b, st, "kv_write other than f32/bf16 with i64 positions");
+    if (kind < 0 || !is_float(nw->dtype) || pos->dtype != NPUC_I64 || (slot != NULL && slot->dtype != NPUC_I64))
+        return no_kernel(b, st, "kv_write other than f32/bf16 rows into an f32, bf16, f16 or int8 cache with i64 "
+                                "positions");
     int64_t *i = st->i;
-    int bf = cache->dtype == NPUC_BF16;
-    i[0] = bf, i[1] = bf, i[2] = pos->rank == 2 ? S : 0, i[3] = nw->shape[0], i[4] = nw->shape[1];
-    i[5] = cache->shape[2], i[6] = S, i[7] = nw->shape[3], i[8] = cache->shape[0];
+    i[0] = kind, i[1] = nw->dtype == NPUC_BF16, i[2] = pos->rank == 2 ? S : 0, i[3] = nw->shape[0];
+    i[4] = nw->shape[1], i[5] = cache->shape[2], i[6] = S, i[7] = nw->shape[3], i[8] = cache->shape[0];
     st->run = run_kv_write;
     return 0;
 }
 
 /* ---- attention ------------------------------------------------------------------------------
- * cached: i 0 qbf, 1 cbf, 2 pstride, 3 obf, 4 B, 5 HQ, 6 S, 7 D, 8 HKV, 9 L, 10 DV; f 0 scale
+ * cached: i 0 qbf, 1 the caches' layout (NPUC_KV_*), 2 pstride, 3 obf, 4 B, 5 HQ, 6 S, 7 D, 8 HKV, 9 L, 10 DV; f 0 scale
  * fused (prefill, f32 GEMM form): i 11 = 1, p 0 the positions table */
 
 static int run_cached_attention(const rt_step *st, npuc_session *s) {
@@ -447,19 +458,26 @@ static int run_cached_attention(const rt_step *st, npuc_session *s) {
                : 0;
 }
 
-static int attention_dims(rt_binder *b, rt_step *st, const rt_view *q, const rt_view *k, const rt_view *v) {
+/* q [b, hq, s, d], k [b, hkv, l, d], v [b, hkv, l, dv]; a cache (cached) may hold another layout
+ * than q's dtype (kv_kind), int8 rows 4 bytes longer. */
+static int attention_dims(rt_binder *b, rt_step *st, const rt_view *q, const rt_view *k, const rt_view *v,
+                          int cached) {
+    int kind = cached ? kv_kind(k->dtype) : (q->dtype == NPUC_BF16 ? NPUC_KV_BF16 : NPUC_KV_F32);
+    int64_t d = q->rank == 4 ? q->shape[3] : 0, dv = v->rank == 4 ? v->shape[3] - (kind == NPUC_KV_I8 ? 4 : 0) : 0;
     if (q->rank != 4 || k->rank != 4 || v->rank != 4 || q->shape[0] != k->shape[0] || k->shape[0] != v->shape[0] ||
-        k->shape[1] != v->shape[1] || k->shape[2] != v->shape[2] || q->shape[3] != k->shape[3] || k->shape[1] == 0 ||
-        q->shape[1] % k->shape[1])
+        k->shape[1] != v->shape[1] || k->shape[2] != v->shape[2] || k->shape[1] == 0 || q->shape[1] % k->shape[1] ||
+        (kind >= 0 && k->shape[3] != kv_last(kind, d)) || dv < 0)
         return does_not_fit(b, st, "q, k and v do not fit");
-    if (q->dtype != k->dtype || k->dtype != v->dtype) return does_not_fit(b, st, "q, k and v differ in dtype");
+    if (cached ? k->dtype != v->dtype : (q->dtype != k->dtype || k->dtype != v->dtype))
+        return does_not_fit(b, st, "q, k and v differ in dtype");
     rt_view want = *q;
-    want.shape[3] = v->shape[3];
+    want.shape[3] = dv;
     if (!out_like(st, 0, &want, q->dtype)) return does_not_fit(b, st, "the output is not [b, hq, s, dv]");
+    if (kind < 0 || !is_float(q->dtype)) return no_kernel(b, st, "attention of this dtype");
     int64_t *i = st->i;
     int bf = q->dtype == NPUC_BF16;
-    i[0] = bf, i[1] = bf, i[3] = bf, i[4] = q->shape[0], i[5] = q->shape[1], i[6] = q->shape[2], i[7] = q->shape[3];
-    i[8] = k->shape[1], i[9] = k->shape[2], i[10] = v->shape[3], i[11] = 0;
+    i[0] = bf, i[1] = kind, i[3] = bf, i[4] = q->shape[0], i[5] = q->shape[1], i[6] = q->shape[2], i[7] = d;
+    i[8] = k->shape[1], i[9] = k->shape[2], i[10] = dv, i[11] = 0;
     st->f[0] = rt_attr_f(st->op, "scale", 1.0);
     return 0;
 }
@@ -472,7 +490,7 @@ static int plain_attention(const rt_op *op) {
 
 static int bind_cached_attention(rt_binder *b, rt_step *st) {
     const rt_view *q = &st->in[0], *kc = &st->in[1], *vc = &st->in[2], *pos = &st->in[3];
-    int rc = attention_dims(b, st, q, kc, vc);
+    int rc = attention_dims(b, st, q, kc, vc, 1);
     if (rc) return rc;
     int64_t S = q->shape[2];
     if (!((pos->rank == 1 && pos->shape[0] == S) || (pos->rank == 2 && pos->shape[0] == q->shape[0] &&
@@ -481,20 +499,20 @@ static int bind_cached_attention(rt_binder *b, rt_step *st) {
         return does_not_fit(b, st, "the positions do not fit");
     if (st->n_in > 4 || !plain_attention(st->op))
         return no_kernel(b, st, "cached_attention with a sliding window, soft-capping, ALiBi or sinks");
-    if (!is_float(q->dtype) || pos->dtype != NPUC_I64) return no_kernel(b, st, "cached_attention of this dtype");
+    if (pos->dtype != NPUC_I64) return no_kernel(b, st, "cached_attention with i32 positions");
     st->i[2] = pos->rank == 2 ? S : 0;
-    want_scratch(b, (int64_t)b->threads * (kc->shape[2] + q->shape[3] + vc->shape[3]));
+    const int64_t *i = st->i;
+    want_scratch(b, npuc_cached_attention_scratch_floats(i[4], i[5], i[6], i[7], i[8], i[9], i[10], b->threads));
     st->run = run_cached_attention;
     return 0;
 }
 
 static int bind_fused_attention(rt_binder *b, rt_step *st) {
     const rt_view *q = &st->in[0], *k = &st->in[1], *v = &st->in[2];
-    int rc = attention_dims(b, st, q, k, v);
+    int rc = attention_dims(b, st, q, k, v, 0);
     if (rc) return rc;
     if (st->n_in > 3 || !plain_attention(st->op))
         return no_kernel(b, st, "fused_attention with a mask, sliding window, soft-capping, ALiBi or sinks");
-    if (!is_float(q->dtype)) return no_kernel(b, st, "fused_attention of this dtype");
     int64_t S = q->shape[2], L = k->shape[2], D = q->shape[3], DV = v->shape[3];
     if (S == 0 || L == 0) return no_kernel(b, st, "an empty attention");
     int causal = (int)rt_attr_i(st->op, "causal", 0);
@@ -509,7 +527,8 @@ static int bind_fused_attention(rt_binder *b, rt_step *st) {
         st->i[11] = 1;
         want_scratch(b, npuc_attention_gemm_scratch_floats(q->shape[0], k->shape[1], D, L, DV, b->threads));
     } else {
-        want_scratch(b, (int64_t)b->threads * (L + D + DV));
+        want_scratch(b, npuc_cached_attention_scratch_floats(q->shape[0], q->shape[1], S, D, k->shape[1], L, DV,
+                                                             b->threads));
     }
     st->run = run_cached_attention;
     return 0;

@@ -980,86 +980,95 @@ int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const 
     return 0;
 }
 
-/* cache[b, h, pos[i], :] = new[b, h, i, :], in place; caches and rows f32 or bf16. pos [S] for
- * every sequence (pstride 0) or [B, S] (pstride S, each its own); sequence b goes to cache slot b,
- * or (slot >= 0, B = 1) to slot `slot`. */
-int npuc_kv_write(void *cache, int cbf, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot,
+/* ---- KV caches: four row layouts ----------------------------------------------------------------
+ * A cache row (one slot, kv head, position) holds D values as f32, bf16, f16, or packed int8:
+ * a 4-byte f32 scale, then D codes, value = code * scale (docs/kv-cache.md's layouts; the
+ * reference kernels in ir/fused_ops.py). Rows are whole bytes apart, so one row's address is
+ * base + row * kv_row_bytes. */
+
+uint16_t rt_f32_to_f16(float f); /* util.c: to nearest even, as torch */
+
+static inline i64 kv_row_bytes(int kind, i64 D) {
+    return kind == NPUC_KV_I8 ? D + 4 : D * (kind == NPUC_KV_F32 ? 4 : 2);
+}
+
+static inline float kv_scale(const char *row, int kind) {
+    float s = 1.0f;
+    if (kind == NPUC_KV_I8) memcpy(&s, row, 4);
+    return s;
+}
+
+/* Element k of a row, int8 as its code (the caller applies the row's scale). */
+static inline float kv_load1(const char *row, int kind, i64 k) {
+    switch (kind) {
+    case NPUC_KV_F32: return ((const float *)row)[k];
+    case NPUC_KV_BF16: return npuc_bf16_to_f32(((const uint16_t *)row)[k]);
+    case NPUC_KV_F16: return npuc_f16_to_f32(((const uint16_t *)row)[k]);
+    default: return (float)((const int8_t *)(row + 4))[k];
+    }
+}
+
+/* A row's D values as f32 into out (int8: code * scale, as the reference dequantizes). */
+static void kv_row_f32(const char *row, int kind, i64 D, float *out) {
+    float s = kv_scale(row, kind);
+    for (i64 k = 0; k < D; k++) out[k] = kind == NPUC_KV_I8 ? kv_load1(row, kind, k) * s : kv_load1(row, kind, k);
+}
+
+/* Row src[from..from+D) (f32 or bf16) into a cache row of layout `kind`. int8: scale =
+ * max|x| / 127 (0 for a zero row), code = x / scale rounded half to even (nearbyintf in the
+ * default rounding mode, as torch.round), clamped to [-127, 127]. */
+static void kv_store_row(char *dst, int kind, const void *src, int sbf, i64 from, i64 D) {
+    if (kind == NPUC_KV_F32 || kind == NPUC_KV_BF16) {
+        for (i64 k = 0; k < D; k++) store_any(dst, kind == NPUC_KV_BF16, k, load_any(src, sbf, from + k));
+    } else if (kind == NPUC_KV_F16) {
+        for (i64 k = 0; k < D; k++) ((uint16_t *)dst)[k] = rt_f32_to_f16(load_any(src, sbf, from + k));
+    } else {
+        float amax = 0.0f;
+        for (i64 k = 0; k < D; k++) {
+            float a = fabsf(load_any(src, sbf, from + k));
+            amax = a > amax ? a : amax;
+        }
+        float scale = amax / 127.0f;
+        memcpy(dst, &scale, 4);
+        int8_t *code = (int8_t *)(dst + 4);
+        for (i64 k = 0; k < D; k++) {
+            float c = scale > 0.0f ? nearbyintf(load_any(src, sbf, from + k) / scale) : 0.0f;
+            /* a NaN or an infinite scale has no code: 0 (a C cast of NaN is undefined) */
+            code[k] = c != c ? 0 : (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+        }
+    }
+}
+
+/* cache[b, h, pos[i], :] = new[b, h, i, :], in place; rows f32 or bf16 (sbf), the cache in any
+ * layout (kind). pos [S] for every sequence (pstride 0) or [B, S] (pstride S, each its own);
+ * sequence b goes to cache slot b, or (slot >= 0, B = 1) to slot `slot`. D is new's last dim. */
+int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot,
                   i64 B, i64 H, i64 L, i64 S, i64 D) {
+    if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
     for (i64 i = 0; i < (pstride ? B * S : S); i++)
         if (pos[i] < 0 || pos[i] >= L) return -1;
+    const i64 rb = kv_row_bytes(kind, D);
     for (i64 bh = 0; bh < B * H; bh++)
         for (i64 i = 0; i < S; i++) {
-            i64 b = bh / H, row = ((slot >= 0 ? slot : b) * H + bh % H) * L;
-            i64 dst = (row + pos[b * pstride + i]) * D, from = (bh * S + i) * D;
-            if (cbf == sbf) memcpy((char *)cache + dst * (cbf ? 2 : 4), (const char *)src + from * (sbf ? 2 : 4),
-                                   (size_t)D * (cbf ? 2 : 4));
-            else for (i64 k = 0; k < D; k++) store_any(cache, cbf, dst + k, load_any(src, sbf, from + k));
+            i64 b = bh / H, row = ((slot >= 0 ? slot : b) * H + bh % H) * L + pos[b * pstride + i];
+            i64 from = (bh * S + i) * D;
+            char *dst = (char *)cache + row * rb;
+            if (kind == sbf) memcpy(dst, (const char *)src + from * (sbf ? 2 : 4), (size_t)rb);
+            else kv_store_row(dst, kind, src, sbf, from, D);
         }
     return 0;
 }
 
-static float dot1_bf16(const float *x, const bf16 *w, i64 K) {
-    float s = 0;
-    i64 k = 0;
-#ifdef NPUC_AVX2
-    __m256 a = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(npuc_load8_bf16(w + k), _mm256_loadu_ps(x + k), a);
-    s = npuc_hsum8(a);
-#endif
-    for (; k < K; k++) s += npuc_bf16_to_f32(w[k]) * x[k];
-    return s;
-}
-
-
-#ifdef NPUC_AVX2
-/* Head dim 64, the common one: q (8 vectors) stays in registers over the keys, and the
- * output row over the values, so each K or V load feeds an FMA without a q or acc load
- * beside it. The same sums in the same order as the general loops below. */
-static i64 scores64(const float *qf, const void *kc, int cbf, i64 row, i64 n, float scale, float *sc, float *mx) {
-    __m256 q0 = _mm256_loadu_ps(qf), q1 = _mm256_loadu_ps(qf + 8), q2 = _mm256_loadu_ps(qf + 16),
-           q3 = _mm256_loadu_ps(qf + 24), q4 = _mm256_loadu_ps(qf + 32), q5 = _mm256_loadu_ps(qf + 40),
-           q6 = _mm256_loadu_ps(qf + 48), q7 = _mm256_loadu_ps(qf + 56);
-    const __m128 vs = _mm_set1_ps(scale);
-    i64 r = 0;
-    for (; r + 4 <= n; r += 4, row += 4 * 64) {
-        __m256 a[4];
-        for (int t = 0; t < 4; t++) {
-            i64 o = row + t * 64;
-            __m256 x = _mm256_fmadd_ps(q0, load8_any(kc, cbf, o), _mm256_setzero_ps());
-            x = _mm256_fmadd_ps(q1, load8_any(kc, cbf, o + 8), x);
-            x = _mm256_fmadd_ps(q2, load8_any(kc, cbf, o + 16), x);
-            x = _mm256_fmadd_ps(q3, load8_any(kc, cbf, o + 24), x);
-            x = _mm256_fmadd_ps(q4, load8_any(kc, cbf, o + 32), x);
-            x = _mm256_fmadd_ps(q5, load8_any(kc, cbf, o + 40), x);
-            x = _mm256_fmadd_ps(q6, load8_any(kc, cbf, o + 48), x);
-            a[t] = _mm256_fmadd_ps(q7, load8_any(kc, cbf, o + 56), x);
-        }
-        __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m128 s4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)), vs);
-        _mm_storeu_ps(sc + r, s4);
-        for (int t = 0; t < 4; t++) if (sc[r + t] > *mx) *mx = sc[r + t];
-    }
-    return r;
-}
-
-static void values64(const float *sc, float inv, const void *vc, int cbf, i64 row, i64 n, float *acc) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-    for (i64 r = 0; r < n; r++, row += 64) {
-        __m256 p = _mm256_set1_ps(sc[r] * inv);
-        c0 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row), c0);
-        c1 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 8), c1);
-        c2 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 16), c2);
-        c3 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 24), c3);
-        c4 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 32), c4);
-        c5 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 40), c5);
-        c6 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 48), c6);
-        c7 = _mm256_fmadd_ps(p, load8_any(vc, cbf, row + 56), c7);
-    }
-    _mm256_storeu_ps(acc, c0); _mm256_storeu_ps(acc + 8, c1); _mm256_storeu_ps(acc + 16, c2);
-    _mm256_storeu_ps(acc + 24, c3); _mm256_storeu_ps(acc + 32, c4); _mm256_storeu_ps(acc + 40, c5);
-    _mm256_storeu_ps(acc + 48, c6); _mm256_storeu_ps(acc + 56, c7);
-}
-#endif
+/* ---- decode attention over a cache: flash-decoding -----------------------------------------
+ * The queries that share a kv head (G heads x S queries, query-major) are cut into blocks of
+ * DEC_QB rows; a job is one (slot, kv head, block) and, where those are too few to keep the
+ * threads busy, one split of its keys. A job reads its keys in tiles of T = DEC_SC / rows: scores of the
+ * tile for every row of the block (each key row loaded once for all of them: GQA's G heads),
+ * then an online softmax (running max m, sum l; the accumulator rescaled by e^(m_old - m_new)
+ * when the max grows), then the tile's values. A job that covers all keys writes acc / l; the
+ * splits of one (slot, kv head, block) leave (m, l, acc) each, merged by a second pass. The
+ * cache is read once per kv head, at whatever layout it is stored in: int8 codes are widened
+ * in registers and the row's scale multiplies the dot (keys) or the weight p (values). */
 
 /* sc[r] = exp(sc[r] - mx) for r < n, in place; their sum (softmax's numerator and denominator). */
 static float exp_sum(float *sc, i64 n, float mx) {
@@ -1078,101 +1087,361 @@ static float exp_sum(float *sc, i64 n, float mx) {
     return sum;
 }
 
-typedef struct {
-    const void *q; int qbf; const void *kc, *vc; int cbf; const int64_t *pos; i64 pstride; void *out; int obf;
-    i64 HQ, S, D, HKV, L, DV; float scale; float *scratch;
-} attention_job;
-
-static void attention_chunk(const void *p, i64 job, int tid) {
-    const attention_job *j = p;
-    i64 L = j->L, D = j->D, DV = j->DV;
-    float *sc = j->scratch + (i64)tid * (L + D + DV), *qf = sc + L, *acc = qf + D;
-    i64 b = job / (j->HQ * j->S), h = (job / j->S) % j->HQ, i = job % j->S;
-    i64 kvh = b * j->HKV + h / (j->HQ / j->HKV), n = j->pos[b * j->pstride + i] + 1;
-    for (i64 k = 0; k < D; k++) qf[k] = load_any(j->q, j->qbf, job * D + k);
-    float mx = -INFINITY;
-    i64 r4 = 0;
+/* max(x[0..n)), -inf for n = 0 (a vector pass: a scalar one is a chain of dependent maxes). */
+static float max_of(const float *x, i64 n) {
+    float m = -INFINITY;
+    i64 r = 0;
 #ifdef NPUC_AVX2
-    if (D == 64) r4 = scores64(qf, j->kc, j->cbf, kvh * L * D, n, j->scale, sc, &mx);
-    /* four keys at a time: one q load serves four rows, and one reduction four sums */
-    if (D % 8 == 0 && D != 64)
-        for (; r4 + 4 <= n; r4 += 4) {
-            i64 row = (kvh * L + r4) * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (i64 k = 0; k < D; k += 8) {
-                __m256 qv = _mm256_loadu_ps(qf + k);
-                a0 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + k), a0);
-                a1 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + D + k), a1);
-                a2 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + 2 * D + k), a2);
-                a3 = _mm256_fmadd_ps(qv, load8_any(j->kc, j->cbf, row + 3 * D + k), a3);
-            }
-            __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            __m128 s4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)),
-                                   _mm_set1_ps(j->scale));
-            _mm_storeu_ps(sc + r4, s4);
-            for (int t = 0; t < 4; t++) if (sc[r4 + t] > mx) mx = sc[r4 + t];
-        }
+    __m256 v0 = _mm256_set1_ps(-INFINITY), v1 = v0;
+    for (; r + 16 <= n; r += 16) {
+        v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + r));
+        v1 = _mm256_max_ps(v1, _mm256_loadu_ps(x + r + 8));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, _mm256_max_ps(v0, v1));
+    for (int u = 0; u < 8; u++) m = t[u] > m ? t[u] : m;
 #endif
-    for (i64 r = r4; r < n; r++) {
-        i64 row = (kvh * L + r) * D;
-        float s = j->cbf ? dot1_bf16(qf, (const bf16 *)j->kc + row, D) : dot1_f32(qf, (const float *)j->kc + row, D);
-        sc[r] = s * j->scale;
-        if (sc[r] > mx) mx = sc[r];
-    }
-    float sum = exp_sum(sc, n, mx);
-    for (i64 k = 0; k < DV; k++) acc[k] = 0;
-    float inv = 1.0f / sum;
-    i64 v4 = 0;
-#ifdef NPUC_AVX2
-    if (DV == 64) {
-        values64(sc, inv, j->vc, j->cbf, kvh * L * DV, n, acc);
-        v4 = n;
-    }
-    /* four value rows per pass over acc */
-    if (DV % 8 == 0 && DV != 64)
-        for (; v4 + 4 <= n; v4 += 4) {
-            i64 row = (kvh * L + v4) * DV;
-            __m256 p0 = _mm256_set1_ps(sc[v4] * inv), p1 = _mm256_set1_ps(sc[v4 + 1] * inv),
-                   p2 = _mm256_set1_ps(sc[v4 + 2] * inv), p3 = _mm256_set1_ps(sc[v4 + 3] * inv);
-            for (i64 k = 0; k < DV; k += 8) {
-                __m256 a = _mm256_fmadd_ps(p0, load8_any(j->vc, j->cbf, row + k), _mm256_loadu_ps(acc + k));
-                a = _mm256_fmadd_ps(p1, load8_any(j->vc, j->cbf, row + DV + k), a);
-                a = _mm256_fmadd_ps(p2, load8_any(j->vc, j->cbf, row + 2 * DV + k), a);
-                _mm256_storeu_ps(acc + k, _mm256_fmadd_ps(p3, load8_any(j->vc, j->cbf, row + 3 * DV + k), a));
-            }
-        }
-#endif
-    for (i64 r = v4; r < n; r++) {
-        float pr = sc[r] * inv;
-        i64 row = (kvh * L + r) * DV;
-        if (j->cbf) npuc_axpy_bf16(pr, (const bf16 *)j->vc + row, acc, DV);
-        else npuc_axpy_f32(pr, (const float *)j->vc + row, acc, DV);
-    }
-    for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, job * DV + k, acc[k]);
+    for (; r < n; r++) m = x[r] > m ? x[r] : m;
+    return m;
 }
 
-/* Causal attention over a KV cache: query i (at pos[i]) attends cached rows 0..pos[i].
- * q [B, HQ, S, D], caches [B, HKV, L, D] / [B, HKV, L, DV], out [B, HQ, S, DV]; each f32 or
- * bf16, computed in f32. scratch: nt * (L + D + DV) floats. */
-int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int cbf, const int64_t *pos,
+#define DEC_QB 32          /* query rows per job */
+#ifndef DEC_SC
+#define DEC_SC 4096        /* the score block's floats: DEC_SC / rows keys per tile, whatever the depth */
+#endif
+#define DEC_MIN_SPLIT 256  /* fewest keys worth a split (a split costs a (m, l, acc) merge) */
+
+/* How many splits per (slot, kv head, block): 1 where there are 4 jobs a thread already; else
+ * enough for that, but no split under DEC_MIN_SPLIT keys. n: the most keys a row sees. */
+static i64 dec_splits(i64 units, i64 n, int nt) {
+    if (nt <= 1 || units >= 4 * (i64)nt) return 1;
+    i64 want = (4 * (i64)nt + units - 1) / units, most = n / DEC_MIN_SPLIT;
+    return want < most ? want : (most < 1 ? 1 : most);
+}
+
+typedef struct {
+    const void *q; int qbf; const char *kc, *vc; int kind; const int64_t *pos; i64 pstride; void *out; int obf;
+    i64 HQ, S, D, HKV, L, DV, G, NR, QB, T, nblk, nsplit, chunk, krb, vrb; float scale;
+    float *ws; i64 per; float *part;
+} dec_job;
+
+#ifdef NPUC_AVX2
+/* 8 values of a row from element k, as f32 (int8: the codes; the scale is the caller's). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const char *row, int kind, i64 k) {
+    switch (kind) {
+    case NPUC_KV_F32: return _mm256_loadu_ps((const float *)row + k);
+    case NPUC_KV_BF16: return npuc_load8_bf16((const uint16_t *)row + k);
+    case NPUC_KV_F16:
+#ifdef __F16C__
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+#else
+    {
+        float t[8];
+        for (int u = 0; u < 8; u++) t[u] = npuc_f16_to_f32(((const uint16_t *)row)[k + u]);
+        return _mm256_loadu_ps(t);
+    }
+#endif
+    default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 4 + k))));
+    }
+}
+
+/* One query row (D % 8 == 0): sc[j] = scale * q . key(j0 + j) for j < n, four keys at a time
+ * (one q load serves four rows, one reduction four sums). `kind` a constant where inlined. */
+static inline __attribute__((always_inline)) void dec_scores1(const float *qf, const char *k, i64 krb, int kind,
+                                                                i64 D, i64 n, float scale, float *sc) {
+    i64 j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const char *r0 = k + j * krb, *r1 = r0 + krb, *r2 = r1 + krb, *r3 = r2 + krb;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (i64 d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_loadu_ps(qf + d);
+            a0 = _mm256_fmadd_ps(qv, kv_load8(r0, kind, d), a0);
+            a1 = _mm256_fmadd_ps(qv, kv_load8(r1, kind, d), a1);
+            a2 = _mm256_fmadd_ps(qv, kv_load8(r2, kind, d), a2);
+            a3 = _mm256_fmadd_ps(qv, kv_load8(r3, kind, d), a3);
+        }
+        __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        __m128 s4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)),
+                               _mm_set1_ps(scale));
+        if (kind == NPUC_KV_I8)
+            s4 = _mm_mul_ps(s4, _mm_setr_ps(kv_scale(r0, kind), kv_scale(r1, kind), kv_scale(r2, kind),
+                                            kv_scale(r3, kind)));
+        _mm_storeu_ps(sc + j, s4);
+    }
+    for (; j < n; j++) {
+        const char *r = k + j * krb;
+        __m256 a = _mm256_setzero_ps();
+        for (i64 d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), kv_load8(r, kind, d), a);
+        sc[j] = npuc_hsum8(a) * scale * kv_scale(r, kind);
+    }
+}
+
+/* One query row (DV % 8 == 0): acc += sum_j p[j] * value(j0 + j), four value rows per pass. */
+static inline __attribute__((always_inline)) void dec_values1(const float *p, const char *v, i64 vrb, int kind,
+                                                                i64 DV, i64 n, float *acc) {
+    i64 j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const char *r0 = v + j * vrb, *r1 = r0 + vrb, *r2 = r1 + vrb, *r3 = r2 + vrb;
+        __m256 p0 = _mm256_set1_ps(p[j] * kv_scale(r0, kind)), p1 = _mm256_set1_ps(p[j + 1] * kv_scale(r1, kind)),
+               p2 = _mm256_set1_ps(p[j + 2] * kv_scale(r2, kind)), p3 = _mm256_set1_ps(p[j + 3] * kv_scale(r3, kind));
+        for (i64 d = 0; d < DV; d += 8) {
+            __m256 a = _mm256_fmadd_ps(p0, kv_load8(r0, kind, d), _mm256_loadu_ps(acc + d));
+            a = _mm256_fmadd_ps(p1, kv_load8(r1, kind, d), a);
+            a = _mm256_fmadd_ps(p2, kv_load8(r2, kind, d), a);
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p3, kv_load8(r3, kind, d), a));
+        }
+    }
+    for (; j < n; j++) {
+        const char *r = v + j * vrb;
+        __m256 pv = _mm256_set1_ps(p[j] * kv_scale(r, kind));
+        for (i64 d = 0; d < DV; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, kv_load8(r, kind, d), _mm256_loadu_ps(acc + d)));
+    }
+}
+
+
+/* Head dim 64, the common one: q (8 vectors) stays in registers over the keys, and the output
+ * row over the values, so each K or V load feeds an FMA without a q or acc load beside it. One
+ * key row at a time: four rows interleaved (as dec_scores1) read an f32 cache ~10% slower. */
+static inline __attribute__((always_inline)) void dec_scores64(const float *qf, const char *k, i64 krb, int kind,
+                                                                 i64 n, float scale, float *sc) {
+    const __m256 q0 = _mm256_loadu_ps(qf), q1 = _mm256_loadu_ps(qf + 8), q2 = _mm256_loadu_ps(qf + 16),
+                 q3 = _mm256_loadu_ps(qf + 24), q4 = _mm256_loadu_ps(qf + 32), q5 = _mm256_loadu_ps(qf + 40),
+                 q6 = _mm256_loadu_ps(qf + 48), q7 = _mm256_loadu_ps(qf + 56);
+    for (i64 j = 0; j < n; j++) {
+        const char *r = k + j * krb;
+        __m256 x = _mm256_mul_ps(q0, kv_load8(r, kind, 0));
+        x = _mm256_fmadd_ps(q1, kv_load8(r, kind, 8), x);
+        x = _mm256_fmadd_ps(q2, kv_load8(r, kind, 16), x);
+        x = _mm256_fmadd_ps(q3, kv_load8(r, kind, 24), x);
+        x = _mm256_fmadd_ps(q4, kv_load8(r, kind, 32), x);
+        x = _mm256_fmadd_ps(q5, kv_load8(r, kind, 40), x);
+        x = _mm256_fmadd_ps(q6, kv_load8(r, kind, 48), x);
+        x = _mm256_fmadd_ps(q7, kv_load8(r, kind, 56), x);
+        sc[j] = npuc_hsum8(x) * scale * kv_scale(r, kind);
+    }
+}
+
+static inline __attribute__((always_inline)) void dec_values64(const float *p, const char *v, i64 vrb, int kind,
+                                                                 i64 n, float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc), c1 = _mm256_loadu_ps(acc + 8), c2 = _mm256_loadu_ps(acc + 16),
+           c3 = _mm256_loadu_ps(acc + 24), c4 = _mm256_loadu_ps(acc + 32), c5 = _mm256_loadu_ps(acc + 40),
+           c6 = _mm256_loadu_ps(acc + 48), c7 = _mm256_loadu_ps(acc + 56);
+    for (i64 j = 0; j < n; j++) {
+        const char *r = v + j * vrb;
+        __m256 pv = _mm256_set1_ps(p[j] * kv_scale(r, kind));
+        c0 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 0), c0);
+        c1 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 8), c1);
+        c2 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 16), c2);
+        c3 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 24), c3);
+        c4 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 32), c4);
+        c5 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 40), c5);
+        c6 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 48), c6);
+        c7 = _mm256_fmadd_ps(pv, kv_load8(r, kind, 56), c7);
+    }
+    _mm256_storeu_ps(acc, c0); _mm256_storeu_ps(acc + 8, c1); _mm256_storeu_ps(acc + 16, c2);
+    _mm256_storeu_ps(acc + 24, c3); _mm256_storeu_ps(acc + 32, c4); _mm256_storeu_ps(acc + 40, c5);
+    _mm256_storeu_ps(acc + 48, c6); _mm256_storeu_ps(acc + 56, c7);
+}
+
+/* The two above for a run-time layout: each case inlines its own copy. */
+static void dec_scores1_any(const float *qf, const char *k, i64 krb, int kind, i64 D, i64 n, float scale,
+                            float *sc) {
+    if (D == 64) {
+        switch (kind) {
+        case NPUC_KV_F32: dec_scores64(qf, k, krb, NPUC_KV_F32, n, scale, sc); return;
+        case NPUC_KV_BF16: dec_scores64(qf, k, krb, NPUC_KV_BF16, n, scale, sc); return;
+        case NPUC_KV_F16: dec_scores64(qf, k, krb, NPUC_KV_F16, n, scale, sc); return;
+        default: dec_scores64(qf, k, krb, NPUC_KV_I8, n, scale, sc); return;
+        }
+    }
+    switch (kind) {
+    case NPUC_KV_F32: dec_scores1(qf, k, krb, NPUC_KV_F32, D, n, scale, sc); break;
+    case NPUC_KV_BF16: dec_scores1(qf, k, krb, NPUC_KV_BF16, D, n, scale, sc); break;
+    case NPUC_KV_F16: dec_scores1(qf, k, krb, NPUC_KV_F16, D, n, scale, sc); break;
+    default: dec_scores1(qf, k, krb, NPUC_KV_I8, D, n, scale, sc); break;
+    }
+}
+
+static void dec_values1_any(const float *p, const char *v, i64 vrb, int kind, i64 DV, i64 n, float *acc) {
+    if (DV == 64) {
+        switch (kind) {
+        case NPUC_KV_F32: dec_values64(p, v, vrb, NPUC_KV_F32, n, acc); return;
+        case NPUC_KV_BF16: dec_values64(p, v, vrb, NPUC_KV_BF16, n, acc); return;
+        case NPUC_KV_F16: dec_values64(p, v, vrb, NPUC_KV_F16, n, acc); return;
+        default: dec_values64(p, v, vrb, NPUC_KV_I8, n, acc); return;
+        }
+    }
+    switch (kind) {
+    case NPUC_KV_F32: dec_values1(p, v, vrb, NPUC_KV_F32, DV, n, acc); break;
+    case NPUC_KV_BF16: dec_values1(p, v, vrb, NPUC_KV_BF16, DV, n, acc); break;
+    case NPUC_KV_F16: dec_values1(p, v, vrb, NPUC_KV_F16, DV, n, acc); break;
+    default: dec_values1(p, v, vrb, NPUC_KV_I8, DV, n, acc); break;
+    }
+}
+#endif
+
+static void dec_chunk(const void *p, i64 c, int tid) {
+    const dec_job *j = p;
+    const i64 D = j->D, DV = j->DV, QB = j->QB, sp = c % j->nsplit, blk = (c / j->nsplit) % j->nblk;
+    const i64 u = c / j->nsplit / j->nblk, b = u / j->HKV, kvh = u % j->HKV;
+    const i64 r0 = blk * QB, nr = j->NR - r0 < QB ? j->NR - r0 : QB;
+    float *sc = j->ws + (i64)tid * j->per, *qf = sc + QB * j->T, *acc = qf + QB * D, *m = acc + QB * DV,
+          *l = m + QB, *kr = l + QB, *vr = kr + D;
+    i64 n[DEC_QB], nmax = 0;
+    for (i64 rr = 0; rr < nr; rr++) {
+        i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
+        n[rr] = j->pos[b * j->pstride + i] + 1;
+        nmax = n[rr] > nmax ? n[rr] : nmax;
+        for (i64 k = 0; k < D; k++) qf[rr * D + k] = load_any(j->q, j->qbf, ((b * j->HQ + h) * j->S + i) * D + k);
+        m[rr] = -INFINITY, l[rr] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(nr * DV) * sizeof(float));
+    const i64 k0 = sp * j->chunk, k1 = k0 + j->chunk < nmax ? k0 + j->chunk : nmax;
+    const char *kb = j->kc + u * j->L * j->krb, *vb = j->vc + u * j->L * j->vrb;
+    for (i64 t0 = k0; t0 < k1; t0 += j->T) {
+        const i64 nt = k1 - t0 < j->T ? k1 - t0 : j->T;
+        int fast = 0;
+#ifdef NPUC_AVX2
+        fast = nr == 1 && D % 8 == 0 && DV % 8 == 0;
+        if (fast) dec_scores1_any(qf, kb + t0 * j->krb, j->krb, j->kind, D, nt, j->scale, sc);
+#endif
+        if (!fast)
+            for (i64 t = 0; t < nt; t++) { /* a key row once, for every row of the block */
+                const char *row = kb + (t0 + t) * j->krb;
+                const float *kf = (const float *)row;
+                if (j->kind != NPUC_KV_F32) kv_row_f32(row, j->kind, D, kr), kf = kr;
+                for (i64 rr = 0; rr < nr; rr++)
+                    sc[rr * j->T + t] = t0 + t < n[rr] ? dot1_f32(qf + rr * D, kf, D) * j->scale : -INFINITY;
+            }
+        for (i64 rr = 0; rr < nr; rr++) { /* the online softmax: this tile's weights, acc rescaled */
+            float *row = sc + rr * j->T;
+            i64 seen = n[rr] - t0 < nt ? n[rr] - t0 : nt;
+            if (seen <= 0) continue;
+            float mt = max_of(row, seen);
+            if (mt > m[rr]) {
+                float alpha = expf(m[rr] - mt); /* 0 on the first tile (m = -inf) */
+                l[rr] *= alpha;
+                for (i64 k = 0; k < DV; k++) acc[rr * DV + k] *= alpha;
+                m[rr] = mt;
+            }
+            l[rr] += exp_sum(row, seen, m[rr]);
+        }
+        if (fast) {
+#ifdef NPUC_AVX2
+            dec_values1_any(sc, vb + t0 * j->vrb, j->vrb, j->kind, DV, nt, acc);
+#endif
+        } else {
+            for (i64 t = 0; t < nt; t++) {
+                const char *row = vb + (t0 + t) * j->vrb;
+                const float *vf = (const float *)row;
+                if (j->kind != NPUC_KV_F32) kv_row_f32(row, j->kind, DV, vr), vf = vr;
+                for (i64 rr = 0; rr < nr; rr++)
+                    if (t0 + t < n[rr]) npuc_axpy_f32(sc[rr * j->T + t], vf, acc + rr * DV, DV);
+            }
+        }
+    }
+    for (i64 rr = 0; rr < nr; rr++) {
+        float *a = acc + rr * DV;
+        if (j->nsplit > 1) { /* this split's (m, l, acc), merged by dec_merge */
+            float *o = j->part + (c * QB + rr) * (DV + 2);
+            o[0] = m[rr], o[1] = l[rr];
+            memcpy(o + 2, a, (size_t)DV * sizeof(float));
+            continue;
+        }
+        i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
+        float inv = 1.0f / l[rr];
+        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, ((b * j->HQ + h) * j->S + i) * DV + k, a[k] * inv);
+    }
+}
+
+/* The splits of one (slot, kv head, block): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. */
+static void dec_merge(const void *p, i64 ub, int tid) {
+    const dec_job *j = p;
+    const i64 DV = j->DV, QB = j->QB, blk = ub % j->nblk, u = ub / j->nblk, b = u / j->HKV, kvh = u % j->HKV;
+    const i64 r0 = blk * QB, nr = j->NR - r0 < QB ? j->NR - r0 : QB;
+    float *acc = j->ws + (i64)tid * j->per;
+    for (i64 rr = 0; rr < nr; rr++) {
+        float M = -INFINITY, l = 0.0f;
+        for (i64 s = 0; s < j->nsplit; s++) {
+            float ms = j->part[((ub * j->nsplit + s) * QB + rr) * (DV + 2)];
+            M = ms > M ? ms : M;
+        }
+        memset(acc, 0, (size_t)DV * sizeof(float));
+        for (i64 s = 0; s < j->nsplit; s++) {
+            const float *o = j->part + ((ub * j->nsplit + s) * QB + rr) * (DV + 2);
+            if (o[0] == -INFINITY) continue; /* a split past this row's keys */
+            float w = expf(o[0] - M);
+            l += w * o[1];
+            npuc_axpy_f32(w, o + 2, acc, DV);
+        }
+        i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
+        float inv = 1.0f / l;
+        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, ((b * j->HQ + h) * j->S + i) * DV + k, acc[k] * inv);
+    }
+}
+
+/* The job's shape from the call's: rows per block, blocks, splits for keys up to n. */
+static dec_job dec_plan(i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, i64 n, int nt) {
+    dec_job j;
+    memset(&j, 0, sizeof j);
+    j.HQ = HQ, j.S = S, j.D = D, j.HKV = HKV, j.L = L, j.DV = DV, j.G = HQ / HKV, j.NR = j.G * S;
+    j.QB = j.NR < DEC_QB ? j.NR : DEC_QB;
+    j.nblk = j.QB ? (j.NR + j.QB - 1) / j.QB : 0;
+    j.nsplit = dec_splits(B * HKV * j.nblk, n, nt);
+    j.chunk = (n + j.nsplit - 1) / j.nsplit;
+    j.T = j.QB ? DEC_SC / j.QB : DEC_SC;
+    j.per = j.QB * (D + DV + j.T + 2) + D + DV;
+    return j;
+}
+
+i64 npuc_cached_attention_scratch_floats(i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, int nt) {
+    if (HKV < 1 || HQ % HKV) return 0;
+    nt = nt < 1 ? 1 : nt;
+    dec_job j = dec_plan(B, HQ, S, D, HKV, L, DV, L, nt);
+    i64 part = j.nsplit > 1 ? B * HKV * j.nblk * j.nsplit * j.QB * (DV + 2) : 0;
+    return nt * j.per + part;
+}
+
+/* Causal attention over a KV cache: query i of sequence b (at pos[b * pstride + i]) attends
+ * cached rows 0..pos. q [B, HQ, S, D] f32 or bf16 (qbf), caches [B, HKV, L, D] / [.., DV] in
+ * layout `kind` (int8: rows of D + 4 bytes), out [B, HQ, S, DV] f32 or bf16 (obf); scores and
+ * softmax in f32. scratch: npuc_cached_attention_scratch_floats with the same nt. Non-zero,
+ * before any row is read, for a position outside the cache or a layout it does not know. */
+int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
                           i64 pstride, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV,
                           float scale, float *scratch, int nt) {
-    for (i64 i = 0; i < (pstride ? B * S : S); i++)
+    if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || HKV < 1 || HQ % HKV) return -1;
+    i64 n = 0;
+    for (i64 i = 0; i < (pstride ? B * S : S); i++) {
         if (pos[i] < 0 || pos[i] >= L) return -1;
-    attention_job j = {q, qbf, kc, vc, cbf, pos, pstride, out, obf, HQ, S, D, HKV, L, DV, scale, scratch};
-    parallel(attention_chunk, &j, B * HQ * S, threads_for(B * HKV * L * (D + DV) * (cbf ? 2 : 4) * 4, nt));
+        n = pos[i] + 1 > n ? pos[i] + 1 : n;
+    }
+    if (B * HQ * S == 0 || DV == 0) return 0;
+    nt = nt < 1 ? 1 : nt;
+    const i64 krb = kv_row_bytes(kind, D), vrb = kv_row_bytes(kind, DV);
+    int use = threads_for(B * HKV * n * (krb + vrb), nt);
+    dec_job j = dec_plan(B, HQ, S, D, HKV, L, DV, n, use);
+    j.q = q, j.qbf = qbf, j.kc = kc, j.vc = vc, j.kind = kind, j.pos = pos, j.pstride = pstride, j.out = out;
+    j.obf = obf, j.krb = krb, j.vrb = vrb, j.scale = scale, j.ws = scratch, j.part = scratch + nt * j.per;
+    parallel(dec_chunk, &j, B * HKV * j.nblk * j.nsplit, use);
+    if (j.nsplit > 1) parallel(dec_merge, &j, B * HKV * j.nblk, use);
     return 0;
 }
 
 /* ---- prefill attention as small GEMMs ---------------------------------------------------------
- * Many queries (prefill): per (batch, query head, block of GEMM_MR queries), the scores are a
- * GEMM_MR x n product of the block's q rows with K^T, and the output the product of the
- * softmax rows with V, both on the GEMM's register tile (gemm_tile), where the per-query
- * kernel above does a dot product per key and a row update per value. K^T and V are packed
- * once per call into 16-wide panels (K^T: [key panel][d][16 keys]; V: [column panel][row][16
- * columns]), shared by the query heads of a KV head. f32 q, k, v and out; D and DV multiples
- * of 16. Query i attends keys 0..pos[i] (< L, checked by the caller). Scratch:
- * npuc_attention_gemm_scratch_floats. */
+ * Many queries (prefill): per (batch, query head, block of GEMM_MR queries), the keys are taken
+ * in tiles of FA_KT: the tile's scores are a GEMM_MR x FA_KT product of the block's q rows with
+ * K^T, then an online softmax (running max and sum per query row; the output rows rescaled by
+ * e^(m_old - m_new) when the max grows), then the tile's weights times V added into the output
+ * rows, both products on the GEMM's register tile (gemm_tile). No query ever holds a score row
+ * of all its keys: a thread's scratch is GEMM_MR x FA_KT, whatever S. K^T and V are packed once
+ * per call into 16-wide panels (K^T: [key panel][d][16 keys]; V: [column panel][row][16
+ * columns]), shared by the query heads of a KV head: that copy is the O(S) part. f32 q, k, v
+ * and out; D and DV multiples of 16. Query i attends keys 0..pos[i] (< L, checked by the
+ * caller). Scratch: npuc_attention_gemm_scratch_floats. */
+#define FA_KT 256 /* keys per tile (a multiple of 16): 256 ran as fast as one row of all keys at S = 4096 */
+
 typedef struct {
     const float *q, *k, *v; const int64_t *pos; float *out;
     i64 HQ, S, D, HKV, L, DV, Lp; float scale; float *kt, *vp, *ws; i64 per;
@@ -1192,36 +1461,54 @@ static void fa_pack(const void *p, i64 g, int tid) {
 
 static void fa_chunk(const void *p, i64 job, int tid) {
     const fa_job *j = p;
-    i64 S = j->S, D = j->D, DV = j->DV, Lp = j->Lp, nqb = (S + GEMM_MR - 1) / GEMM_MR;
+    i64 S = j->S, D = j->D, DV = j->DV, Lp = j->Lp, L = j->L, nqb = (S + GEMM_MR - 1) / GEMM_MR;
     i64 bh = job / nqb, i0 = (job % nqb) * GEMM_MR, g = (bh / j->HQ) * j->HKV + (bh % j->HQ) / (j->HQ / j->HKV);
     int mr = S - i0 < GEMM_MR ? (int)(S - i0) : GEMM_MR;
-    float *apack = j->ws + (i64)tid * j->per, *sc = apack + D * GEMM_MR, *ppack = sc + GEMM_MR * Lp;
-    i64 n = 0;
-    for (int t = 0; t < mr; t++) if (j->pos[i0 + t] + 1 > n) n = j->pos[i0 + t] + 1;
+    float *apack = j->ws + (i64)tid * j->per, *sc = apack + D * GEMM_MR, *ppack = sc + GEMM_MR * FA_KT;
+    float m[GEMM_MR], l[GEMM_MR];
+    i64 n = 0, seen[GEMM_MR];
+    for (int t = 0; t < GEMM_MR; t++) {
+        seen[t] = t < mr ? j->pos[i0 + t] + 1 : 0, m[t] = -INFINITY, l[t] = 0.0f;
+        n = seen[t] > n ? seen[t] : n;
+    }
     const float *q = j->q + (bh * S + i0) * D;
     for (i64 d = 0; d < D; d++)
         for (int t = 0; t < GEMM_MR; t++) apack[d * GEMM_MR + t] = t < mr ? q[t * D + d] : 0.0f;
-    for (i64 kp = 0; kp < (n + 15) / 16; kp++)
-        gemm_tile(D, apack, j->kt + g * Lp * D + kp * D * 16, sc + kp * 16, Lp, 1, NULL, GEMM_MR, 16);
-    for (int t = 0; t < GEMM_MR; t++) {
-        float *row = sc + t * Lp;
-        i64 nt = t < mr ? j->pos[i0 + t] + 1 : 0;
-        float mx = -INFINITY;
-        for (i64 c = 0; c < nt; c++) { row[c] *= j->scale; if (row[c] > mx) mx = row[c]; }
-        float sum = exp_sum(row, nt, mx);
-        float inv = nt ? 1.0f / sum : 0.0f;
-        for (i64 c = 0; c < n; c++) ppack[c * GEMM_MR + t] = c < nt ? row[c] * inv : 0.0f;
-    }
     float *o = j->out + (bh * S + i0) * DV;
-    for (i64 c0 = 0; c0 < DV; c0 += 16)
-        gemm_tile(n, ppack, j->vp + g * j->L * DV + c0 * j->L, o + c0, DV, 1, NULL, mr, 16);
+    for (i64 k0 = 0; k0 < n; k0 += FA_KT) {
+        i64 kn = n - k0 < FA_KT ? n - k0 : FA_KT;
+        for (i64 kp = 0; kp < (kn + 15) / 16; kp++)
+            gemm_tile(D, apack, j->kt + g * Lp * D + (k0 / 16 + kp) * D * 16, sc + kp * 16, FA_KT, 1, NULL, GEMM_MR,
+                      16);
+        for (int t = 0; t < GEMM_MR; t++) {
+            float *row = sc + t * FA_KT, mt = -INFINITY;
+            i64 nt = seen[t] - k0 < kn ? seen[t] - k0 : kn;
+            nt = nt < 0 ? 0 : nt;
+            for (i64 c = 0; c < nt; c++) { row[c] *= j->scale; mt = row[c] > mt ? row[c] : mt; }
+            if (nt > 0 && mt > m[t]) {
+                float alpha = expf(m[t] - mt);
+                l[t] *= alpha;
+                if (k0 > 0) /* the first tile writes the rows; later ones add to them */
+                    for (i64 c = 0; c < DV; c++) o[t * DV + c] *= alpha;
+                m[t] = mt;
+            }
+            if (nt > 0) l[t] += exp_sum(row, nt, m[t]);
+            for (i64 c = 0; c < kn; c++) ppack[c * GEMM_MR + t] = c < nt ? row[c] : 0.0f;
+        }
+        for (i64 c0 = 0; c0 < DV; c0 += 16)
+            gemm_tile(kn, ppack, j->vp + g * L * DV + c0 * L + k0 * 16, o + c0, DV, k0 == 0, NULL, mr, 16);
+    }
+    for (int t = 0; t < mr; t++) {
+        float inv = 1.0f / l[t];
+        for (i64 c = 0; c < DV; c++) o[t * DV + c] *= inv;
+    }
 }
 
-static i64 fa_per_thread(i64 D, i64 Lp) { return D * GEMM_MR + 2 * GEMM_MR * Lp; }
+static i64 fa_per_thread(i64 D) { return D * GEMM_MR + 2 * GEMM_MR * FA_KT; }
 
 i64 npuc_attention_gemm_scratch_floats(i64 B, i64 HKV, i64 D, i64 L, i64 DV, int nt) {
     i64 Lp = (L + 15) / 16 * 16;
-    return B * HKV * (Lp * D + L * DV) + (nt < 1 ? 1 : nt) * fa_per_thread(D, Lp);
+    return B * HKV * (Lp * D + L * DV) + (nt < 1 ? 1 : nt) * fa_per_thread(D);
 }
 
 int npuc_attention_gemm(const float *q, const float *k, const float *v, const int64_t *pos, float *out, i64 B,
@@ -1232,7 +1519,7 @@ int npuc_attention_gemm(const float *q, const float *k, const float *v, const in
     nt = nt < 1 ? 1 : nt;
     i64 Lp = (L + 15) / 16 * 16;
     fa_job j = {q, k, v, pos, out, HQ, S, D, HKV, L, DV, Lp, scale, scratch, scratch + B * HKV * Lp * D,
-                scratch + B * HKV * (Lp * D + L * DV), fa_per_thread(D, Lp)};
+                scratch + B * HKV * (Lp * D + L * DV), fa_per_thread(D)};
     parallel(fa_pack, &j, B * HKV, threads_for(B * HKV * L * (D + DV) * 4, nt));
     parallel(fa_chunk, &j, B * HQ * ((S + GEMM_MR - 1) / GEMM_MR), nt);
     return 0;
@@ -1381,4 +1668,4 @@ int npuc_permute(const void *src, void *dst, i64 es, const int64_t *shape, const
     return 0;
 }
 
-int npuc_kernels_abi(void) { return 8; }
+int npuc_kernels_abi(void) { return 9; }

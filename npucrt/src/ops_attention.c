@@ -22,6 +22,8 @@
  * sink logit in the max and the sum where sinks are given. A row that sees no key gives NaN
  * (softmax of all -inf), except where the reference runs torch's sdpa (no softcap, sinks or
  * ALiBi), whose math drops such rows to 0. bf16/f16 are computed in f32 and rounded once.
+ * cached_attention's caches may hold another layout than q's dtype (--kv_cache_dtype): f32,
+ * bf16, f16, or packed int8 rows of an f32 scale and d codes, read as code * scale (att_row).
  *
  * Run time allocates nothing (the shared scratch, per-thread regions by the pool's thread
  * id); every size is checked at bind time; a position outside the cache or table is
@@ -71,7 +73,8 @@ static inline float dot(const float *a, const float *b, i64 n) {
 
 typedef struct att_plan {
     i64 B, HQ, HKV, G, S, L, D, DV; /* q [B,HQ,S,D], k [B,HKV,L,D], v [B,HKV,L,DV], out [B,HQ,S,DV] */
-    int dt;                         /* q, k, v and out */
+    int dt;                         /* q and out (and k, v but for a cache of another layout) */
+    int kdt;                        /* k and v: dt, or a cache's f32, bf16, f16, or packed int8 rows */
     int cached;                     /* positions from in[3]; else query i is at position i */
     int causal;                     /* keys j <= position only (cached: always) */
     int safe;                       /* a row that sees no key gives 0 (torch's sdpa), not NaN */
@@ -93,6 +96,19 @@ typedef struct att_job {
     float *scratch;
 } att_job;
 
+/* Row `row` of n values of k or v as f32: packed int8 rows (a KV cache of --kv_cache_dtype int8)
+ * are n + 4 bytes, an f32 scale then n codes, read as code * scale (ir/fused_ops.py). */
+static void att_row(const void *p, int dt, i64 row, i64 n, float *dst) {
+    if (dt != NPUC_I8) {
+        og_load_f32(p, dt, row * n, 1, n, dst);
+        return;
+    }
+    const int8_t *r = (const int8_t *)p + row * (n + 4);
+    float scale;
+    memcpy(&scale, r, 4);
+    for (i64 k = 0; k < n; k++) dst[k] = (float)r[4 + k] * scale;
+}
+
 static void att_chunk(const void *ctx, i64 c, int tid) {
     const att_job *J = ctx;
     const att_plan *P = J->P;
@@ -113,7 +129,7 @@ static void att_chunk(const void *ctx, i64 c, int tid) {
     }
     const i64 kbase = (b * P->HKV + hk) * L;
     for (i64 j = jlo; j < jhi; j++) {
-        og_load_f32(J->k, P->dt, (kbase + j) * D, 1, D, kr);
+        att_row(J->k, P->kdt, kbase + j, D, kr);
         for (i64 rr = 0; rr < nr; rr++) {
             float s = -INFINITY;
             if (j >= lo[rr] && j < hi[rr]) {
@@ -149,7 +165,7 @@ static void att_chunk(const void *ctx, i64 c, int tid) {
         for (i64 j = jlo; j < jhi; j++) row[j] /= sum;
     }
     for (i64 j = jlo; j < jhi; j++) {
-        og_load_f32(J->v, P->dt, (kbase + j) * DV, 1, DV, vr);
+        att_row(J->v, P->kdt, kbase + j, DV, vr);
         for (i64 rr = 0; rr < nr; rr++) {
             if (j < lo[rr] || j >= hi[rr]) continue;
             float pj = sc[rr * L + j], *a = acc + rr * DV;
@@ -217,12 +233,19 @@ static int att_bind(rt_binder *b, rt_step *st, int kind) {
     int32_t r = q->rank;
     if (r < 2 || k->rank != r || v->rank != r || (kind != 2 && r != 4))
         return og_invalid(b, st, "q, k and v are not [batch, heads, seq, dim]");
-    if (q->dtype != k->dtype || k->dtype != v->dtype) return og_invalid(b, st, "q, k and v differ in dtype");
-    if (q->shape[r - 1] != k->shape[r - 1] || k->shape[r - 2] != v->shape[r - 2])
+    /* a cache of another layout than q's dtype (cached_attention; q f32 or bf16): f32, bf16, f16,
+     * or int8 rows of d + 4 bytes */
+    int other = kind == 1 && k->dtype == v->dtype && (k->dtype != q->dtype || k->dtype == NPUC_I8) &&
+                (q->dtype == NPUC_F32 || q->dtype == NPUC_BF16) &&
+                (og_is_f32ish(k->dtype) || k->dtype == NPUC_I8);
+    if (!other && (q->dtype != k->dtype || k->dtype != v->dtype))
+        return og_invalid(b, st, "q, k and v differ in dtype");
+    int64_t pack = k->dtype == NPUC_I8 && other ? 4 : 0;
+    if (q->shape[r - 1] + pack != k->shape[r - 1] || k->shape[r - 2] != v->shape[r - 2] || v->shape[r - 1] < pack)
         return og_invalid(b, st, "q, k and v do not fit");
     for (int32_t d = 0; d + 2 < r; d++)
         if (k->shape[d] != v->shape[d]) return og_invalid(b, st, "k and v do not fit");
-    P.S = q->shape[r - 2], P.D = q->shape[r - 1], P.L = k->shape[r - 2], P.DV = v->shape[r - 1];
+    P.S = q->shape[r - 2], P.D = q->shape[r - 1], P.L = k->shape[r - 2], P.DV = v->shape[r - 1] - pack;
     P.HQ = r >= 3 ? q->shape[r - 3] : 1, P.HKV = r >= 3 ? k->shape[r - 3] : 1;
     P.B = 1;
     for (int32_t d = 0; d + 3 < r; d++) {
@@ -231,7 +254,7 @@ static int att_bind(rt_binder *b, rt_step *st, int kind) {
         P.B *= q->shape[d];
     }
     if (P.HKV == 0 || P.HQ % P.HKV) return og_invalid(b, st, "query heads are not a multiple of key heads");
-    P.G = P.HQ / P.HKV, P.dt = q->dtype;
+    P.G = P.HQ / P.HKV, P.dt = q->dtype, P.kdt = k->dtype;
     int64_t want[NPUC_MAX_RANK];
     memcpy(want, q->shape, sizeof want);
     want[r - 1] = P.DV;
