@@ -26,7 +26,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from npuc.errors import EXIT_USAGE, NpucError
+from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 
 InputShapes = dict[str, tuple[int, ...]]
 Dim = int | str | None  # a fixed size, a symbolic name, or unknown
@@ -50,6 +50,7 @@ class DeclaredInput:
 class Problem:
     code: str
     message: str
+    hint: str = ""  # where it is not HINT's (the syntax)
 
 
 HINT = ('write --input_shape as "name:d0,d1;name2:d0,d1", e.g. "input_ids:1,16", or bind the inputs\' '
@@ -216,12 +217,47 @@ def _check_empty(shapes: InputShapes, items: Mapping[str, str]) -> list[Problem]
             for item, (name, j) in bad.items()]
 
 
+SIZE_HINT = ("give the shape one run feeds, e.g. sequence_length:4096; for a longer context compile the prompt's "
+             "length with --max_seq_len N (the KV cache's positions)")
+# The most elements one input may hold (2^31 - 1, an int32's range, 8 GiB of f32): a shape past
+# it is a typo or a context meant for --max_seq_len, and tracing at it would allocate the
+# input (and the constants sized by it) before any memory check could refuse the plan.
+MAX_INPUT_ELEMENTS = 2**31 - 1
+
+
+def _check_sizes(shapes: InputShapes, items: Mapping[str, str]) -> list[Problem]:
+    problems = []
+    for name, shape in shapes.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > MAX_INPUT_ELEMENTS:
+            what = f"{items[name]!r}: input {name!r} would hold" if name in items else f"input {name!r} declares"
+            problems.append(Problem("NPUC-E0101", f"{what} {numel:,} elements, past npuc's bound of "
+                                    f"{MAX_INPUT_ELEMENTS:,} for one input", SIZE_HINT))
+    return problems
+
+
+def _check_declared(declared: Mapping[str, DeclaredInput]) -> None:
+    """A model whose own input declares a negative dim (ONNX's dim_value is a size) is malformed:
+    refused here, before a shape built from it reaches an op."""
+    for name, decl in declared.items():
+        for j, d in enumerate(decl.dims or ()):
+            if isinstance(d, int) and d < 0:
+                raise NpucError("NPUC-E0315", f"input {name!r} ({decl.describe()}) declares dim {j} as {d}: a dim "
+                                "is a size (0 or more) or a name", "the model file is malformed: re-export it "
+                                "with its dims as sizes or as names (dim_param), and give them with --input_shape",
+                                exit_code=EXIT_IO)
+
+
 def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
                          declared: Mapping[str, DeclaredInput], *, empty_ok: bool = False) -> InputShapes:
     """The static shape of every input: from `text` (by input, or by dim name), or the
     model's own static dims.
 
-    Raises one NpucError (exit 2) listing every problem together with the model's inputs."""
+    Raises one NpucError (exit 2) listing every problem together with the model's inputs;
+    NPUC-E0315 for a model that declares a negative dim."""
+    _check_declared(declared)
     if isinstance(text, Mapping):
         shapes: InputShapes = {k: tuple(int(d) for d in v) for k, v in text.items()}
         items = {k: f"{k}:{','.join(map(str, v))}" for k, v in shapes.items()}
@@ -232,11 +268,12 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
     problems += _check(shapes, items, declared)
     if not empty_ok:
         problems += _check_empty(shapes, items)
+    problems += _check_sizes(shapes, items)
     if problems:
         listing = ", ".join(f"{n}: {d.describe()}" for n, d in declared.items()) or "none known"
         shown = f"--input_shape {text!r}" if isinstance(text, str) else "input shapes"
         if len(problems) == 1:
-            raise NpucError(problems[0].code, problems[0].message, HINT, exit_code=EXIT_USAGE,
+            raise NpucError(problems[0].code, problems[0].message, problems[0].hint or HINT, exit_code=EXIT_USAGE,
                             details=[f"model inputs: {listing}"])
         raise NpucError(problems[0].code, f"{len(problems)} problems with {shown}", HINT, exit_code=EXIT_USAGE,
                         details=[f"- {p.message} [{p.code}]" for p in problems] + [f"model inputs: {listing}"])
@@ -244,6 +281,10 @@ def resolve_input_shapes(text: str | Mapping[str, Sequence[int]] | None,
         if name not in shapes and decl.required and decl.dims is not None \
                 and all(isinstance(d, int) for d in decl.dims):
             shapes[name] = tuple(d for d in decl.dims if isinstance(d, int))  # fully static: nothing to choose
+    declared_sizes = _check_sizes({n: s for n, s in shapes.items() if n not in items}, {})
+    if declared_sizes:
+        raise NpucError(declared_sizes[0].code, declared_sizes[0].message, "the model fixes this shape: re-export it "
+                        "with a smaller one, or with named dims to give with --input_shape", exit_code=EXIT_USAGE)
     return shapes
 
 

@@ -46,6 +46,8 @@ _ELEMENTWISE = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bi
 _COMPARES = {"eq", "ne", "lt", "le", "gt", "ge"}
 # Ops that only view a value (its elements keep their (i, j)).
 _VIEWS = frozenset({"reshape", "expand"})
+# The most bytes computed to read one leaf (an arange of 131,072 positions is 1 MiB).
+_LEAF_BYTES = 1 << 28
 # Exact integers in float64 (and in the int64 the leaves usually are).
 _EXACT = 1 << 52
 
@@ -155,7 +157,8 @@ class _Reader:
             raise _Undecided
         from npuc.ir.evaluate import evaluate_value
 
-        t = evaluate_value(v.graph, v, max_bytes=64 * self.leaf_numel) if v.const is None else v.const.load()
+        t = evaluate_value(v.graph, v, max_bytes=min(64 * self.leaf_numel, _LEAF_BYTES)) if v.const is None \
+            else v.const.load()
         if t is None or t.dtype.is_complex:
             raise _Undecided
         shape = tuple(t.shape)

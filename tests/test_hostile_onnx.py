@@ -265,3 +265,43 @@ def test_weights_reader_refuses_non_regular_files(folder: Path) -> None:
         with pytest.raises(NpucError) as e:
             next(file_range_chunks(path, 0, 16, "w"))
         assert e.value.code == "NPUC-E0401"
+
+
+# -- input dims (issue 35) ---------------------------------------------------------------
+
+def test_negative_input_dim(folder: Path) -> None:
+    """Was an internal ShapeError ("pad [0, 0, 5, 0] (constant) does not fit f32[-5,16]")."""
+    m = _model([helper.make_node("Relu", ["x"], ["y"])], [])
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -5
+    assert "dim 0 as -5" in _refused(folder, m, "NPUC-E0315", 4)
+
+
+def _positions_model() -> ModelProto:
+    """y = x + range(n) over a dynamic n: constants sized by the input's dim."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "sequence_length"])
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "one"], ["n"], axis=0),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT), helper.make_node("Add", ["x", "rf"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in (("zero", 0), ("one", 1))]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("shape", ["sequence_length:99999999999", "x:1,99999999999", "x:1,-5"])
+def test_absurd_or_negative_input_shape(folder: Path, shape: str) -> None:
+    """Was an out-of-memory internal error while the constants were built (a -5: refused as before)."""
+    path = _save(folder, _positions_model())
+    r = subprocess.run([sys.executable, "-m", "npuc", "compile", str(path), "--input_shape", shape, "--output",
+                        str(folder / "out" / "m")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("npuc: error NPUC-E0101: ") and "Traceback" not in r.stderr, r.stderr
+    assert "99,999,999,999 elements" in r.stderr or "-5" in r.stderr
+    assert _outputs(folder) == []
+
+
+def test_a_model_declaring_an_absurd_static_shape_is_refused() -> None:
+    from npuc.compiler.shapes import DeclaredInput, resolve_input_shapes
+
+    with pytest.raises(NpucError) as e:
+        resolve_input_shapes(None, {"x": DeclaredInput("f32", (1, 2**31))})
+    assert e.value.code == "NPUC-E0101" and "declares 2,147,483,648 elements" in e.value.message
