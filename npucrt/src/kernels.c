@@ -1011,7 +1011,12 @@ static inline float kv_load1(const char *row, int kind, i64 k) {
 /* A row's D values as f32 into out (int8: code * scale, as the reference dequantizes). */
 static void kv_row_f32(const char *row, int kind, i64 D, float *out) {
     float s = kv_scale(row, kind);
-    for (i64 k = 0; k < D; k++) out[k] = kind == NPUC_KV_I8 ? kv_load1(row, kind, k) * s : kv_load1(row, kind, k);
+    switch (kind) {
+    case NPUC_KV_F32: memcpy(out, row, (size_t)D * sizeof(float)); break;
+    case NPUC_KV_BF16: for (i64 k = 0; k < D; k++) out[k] = kv_load1(row, NPUC_KV_BF16, k); break;
+    case NPUC_KV_F16: for (i64 k = 0; k < D; k++) out[k] = kv_load1(row, NPUC_KV_F16, k); break;
+    default: for (i64 k = 0; k < D; k++) out[k] = kv_load1(row, NPUC_KV_I8, k) * s; break;
+    }
 }
 
 /* Row src[from..from+D) (f32 or bf16) into a cache row of layout `kind`. int8: scale =
@@ -1303,8 +1308,15 @@ static void dec_chunk(const void *p, i64 c, int tid) {
         const i64 nt = k1 - t0 < j->T ? k1 - t0 : j->T;
         int fast = 0;
 #ifdef NPUC_AVX2
-        fast = nr == 1 && D % 8 == 0 && DV % 8 == 0;
-        if (fast) dec_scores1_any(qf, kb + t0 * j->krb, j->krb, j->kind, D, nt, j->scale, sc);
+        /* row by row over the tile: the tile came from memory for the first row, from L2 for the
+         * others (npuc_cached_attention sizes it so) */
+        fast = D % 8 == 0 && DV % 8 == 0;
+        if (fast)
+            for (i64 rr = 0; rr < nr; rr++) {
+                i64 seen = n[rr] - t0 < nt ? n[rr] - t0 : nt;
+                if (seen > 0) dec_scores1_any(qf + rr * D, kb + t0 * j->krb, j->krb, j->kind, D, seen, j->scale,
+                                              sc + rr * j->T);
+            }
 #endif
         if (!fast)
             for (i64 t = 0; t < nt; t++) { /* a key row once, for every row of the block */
@@ -1329,7 +1341,11 @@ static void dec_chunk(const void *p, i64 c, int tid) {
         }
         if (fast) {
 #ifdef NPUC_AVX2
-            dec_values1_any(sc, vb + t0 * j->vrb, j->vrb, j->kind, DV, nt, acc);
+            for (i64 rr = 0; rr < nr; rr++) {
+                i64 seen = n[rr] - t0 < nt ? n[rr] - t0 : nt;
+                if (seen > 0) dec_values1_any(sc + rr * j->T, vb + t0 * j->vrb, j->vrb, j->kind, DV, seen,
+                                              acc + rr * DV);
+            }
 #endif
         } else {
             for (i64 t = 0; t < nt; t++) {
@@ -1424,6 +1440,10 @@ int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc
     dec_job j = dec_plan(B, HQ, S, D, HKV, L, DV, n, use);
     j.q = q, j.qbf = qbf, j.kc = kc, j.vc = vc, j.kind = kind, j.pos = pos, j.pstride = pstride, j.out = out;
     j.obf = obf, j.krb = krb, j.vrb = vrb, j.scale = scale, j.ws = scratch, j.part = scratch + nt * j.per;
+    if (j.QB > 1) { /* a tile's K and V rows within ~256 KiB, so the block's later rows read them from L2 */
+        i64 fit = (256 << 10) / (krb + vrb);
+        j.T = fit < 16 ? 16 : fit < j.T ? fit : j.T;
+    }
     parallel(dec_chunk, &j, B * HKV * j.nblk * j.nsplit, use);
     if (j.nsplit > 1) parallel(dec_merge, &j, B * HKV * j.nblk, use);
     return 0;
