@@ -31,6 +31,7 @@ from npuc.compiler.driver import (
     read_keep_dtype,
     select_outputs,
 )
+from npuc.compiler.rope_scaling import cache_length
 from npuc.errors import NpucError
 from npuc.ir import Graph
 from npuc.passes.precision import check_mode
@@ -99,8 +100,11 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
         from npuc.compiler.onnx_frontend import check_supported, load_onnx
 
         attempt("operators", lambda: check_supported(load_onnx(os.fspath(model))), None)
-    graph: Graph | None = attempt("import", lambda: build_graph(model, input_shape, input_dtypes,
-                                                                    trust_pickle=trust_pickle)[0], None)
+    def imported() -> Graph:
+        with cache_length(max_seq_len or None):  # RoPE that depends on the length: as the cache rotates it
+            return build_graph(model, input_shape, input_dtypes, trust_pickle=trust_pickle)[0]
+
+    graph: Graph | None = attempt("import", imported, None)
     if graph is None:
         report.skipped.append("outputs, pipeline, dtypes, memory: the model did not import")
         return report

@@ -131,7 +131,8 @@ def length_dependent(model: Any) -> list[Rotary]:
     code = _wrapper_code()
     if code is None or not hasattr(model, "modules"):
         return []
-    found, seen = [], set()
+    found: list[Rotary] = []
+    seen: set[int] = set()
     for m in model.modules():
         if getattr(getattr(type(m), "forward", None), "__code__", None) is not code or id(m) in seen:
             continue
