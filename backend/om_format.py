@@ -986,6 +986,17 @@ def _check_chunk_table(mm: mmap.mmap, by_name: dict[str, tuple[SectionInfo, byte
     return chunk
 
 
+_READ_AHEAD = 128 << 20  # bytes of weights asked for ahead of the hashing (as npucrt/src/om.c)
+
+
+def _want(fd: int, weights: SectionInfo, chunk: int, start: int, end: int) -> None:
+    """Ask the kernel to read the weights' chunks [start, end) now (it is only advice)."""
+    lo, hi = start * chunk, min(end * chunk, weights.size)
+    if lo < hi and hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, weights.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+
+
 def _verify_weights(path: str, weights: SectionInfo, mm: mmap.mmap, table: SectionInfo, chunk: int) -> None:
     """Every weights chunk against its XXH3-128. With plain reads, not through the mapping:
     touching mapped pages would make every weight resident in this process before the first
@@ -996,12 +1007,13 @@ def _verify_weights(path: str, weights: SectionInfo, mm: mmap.mmap, table: Secti
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise _cannot_open(path, e.strerror or str(e)) from e
+    # Reads asked for _READ_AHEAD ahead of the hashing, so the disk works while xxh3 hashes.
+    ahead = max(1, _READ_AHEAD // chunk)
     try:
-        if hasattr(os, "posix_fadvise"):
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, weights.offset, weights.size, os.POSIX_FADV_SEQUENTIAL)
+        _want(fd, weights, chunk, 0, ahead)
         h = xxhash.xxh3_128()
         for k in range(len(expected) // 16):
+            _want(fd, weights, chunk, k + ahead, k + ahead + 1)
             start = weights.offset + k * chunk
             n = min(chunk, weights.offset + weights.size - start)
             h.reset()

@@ -199,6 +199,13 @@ def _ported_only() -> Iterator[None]:
         om_validate.check_ops, om_validate.check_tensors, om_validate._check_index = full
 
 
+def _offsets(data: bytes) -> list[tuple[str, int]]:
+    """Each section's name and offset, from the table of a well-formed file."""
+    count = om_fuzz._HEADER.unpack_from(data, 0)[3]
+    entries = [om_fuzz._ENTRY.unpack_from(data, om_fuzz._HEADER.size + om_fuzz._ENTRY.size * i) for i in range(count)]
+    return [(raw.rstrip(b"\0").decode(), off) for raw, off, _, _ in entries]
+
+
 def python_load(path: str, ported: bool) -> tuple[int, str, str]:
     """(code, message, hint) of the Python side's load without running anything; (0, "", "")
     when it loads; (-1, what, "") when it raises something other than NpucError."""
@@ -283,6 +290,22 @@ def test_sha256_matches_hashlib(tmp_path: Path) -> None:
             out = subprocess.run([str(exe)], input=data, capture_output=True, check=True, timeout=60).stdout.split()
             want = hashlib.sha256(data).hexdigest().encode()
             assert out == [want, want], (defines, len(data))
+
+
+def test_xxh3_128_matches_python_xxhash(tmp_path: Path) -> None:
+    """The weights' chunk checksum in C (the vendored xxhash.h, inlined in sha256.c) against
+    Python's xxhash: every length 0..300 (each of XXH3's length classes) and a few MB, built
+    under the loader's warnings and, once, the sanitizers."""
+    import xxhash
+
+    rng = random.Random(8)
+    inputs = [rng.randbytes(n) for n in range(301)] + [rng.randbytes(4 << 20), rng.randbytes((1 << 20) + 77)]
+    for sanitize in (False, True):
+        exe = npucrt_util.build_exe(tmp_path, "npucrt/tests/xxh3_driver.c", sanitize=sanitize, sources=["sha256.c"],
+                                    name=f"xxh3_{sanitize}")
+        for data in inputs if not sanitize else inputs[::17]:
+            out = subprocess.run([str(exe)], input=data, capture_output=True, check=True, timeout=60).stdout.split()
+            assert out == [xxhash.xxh3_128_hexdigest(data).encode()], (sanitize, len(data))
 
 
 # ---------------------------------------------------------------- (b) the same answers as Python
@@ -384,13 +407,26 @@ def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> 
     cases = {
         "empty": b"", "short_magic": data[:5], "short_header": data[:40], "foreign": b"PK\x03\x04" + bytes(100),
         "foreign_short": b"GIF89a", "just_header": data[:64], "truncated": data[:-1], "extra": data + b"\0",
-        "version": data[:8] + (2).to_bytes(4, "little") + data[12:],
+        "version": data[:8] + (3).to_bytes(4, "little") + data[12:],
+        "version_1": data[:8] + (1).to_bytes(4, "little") + data[12:],
         "flags": data[:12] + (0x1f).to_bytes(4, "little") + data[16:],
         "reserved": data[:20] + b"\1" + data[21:], "pad": data[:63] + b"\1" + data[64:],
         "table_hash": data[:24] + bytes(32) + data[56:],
         "payload": data[:-1] + bytes([data[-1] ^ 1]),
     }
-    no_weights = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "weights"]).seal()
+    weights_at = next(off for n, off in _offsets(data) if n == "weights")
+    cases["weight_flip"] = data[:weights_at + 5000] + bytes([data[weights_at + 5000] ^ 4]) + data[weights_at + 5001:]
+    chunks = img.get("weights.xxh3")
+    assert chunks is not None
+    cases.update({
+        f"chunks_{k}": om_fuzz.OmImage([(n, edit if n == "weights.xxh3" else d) for n, d in img.sections]).seal(
+            rechunk=False)
+        for k, edit in (("size", (3000).to_bytes(8, "little") + chunks[8:]),
+                        ("count", chunks[:8] + (9).to_bytes(8, "little") + chunks[16:]),
+                        ("short", chunks[:10]), ("digest", chunks[:-1] + bytes([chunks[-1] ^ 1])))})
+    cases["no_chunks"] = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "weights.xxh3"]).seal()
+    no_weights = om_fuzz.OmImage([(n, d) for n, d in img.sections if n not in ("weights", "weights.xxh3")]).seal()
+    cases["chunks_alone"] = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "weights"]).seal()
     no_plan = om_fuzz.OmImage([(n, d) for n, d in img.sections if n != "plan"]).seal()
     cases.update(no_weights=no_weights, no_plan=no_plan,
                  renamed=om_fuzz.OmImage([("bad name!" if n == "tasks" else n, d) for n, d in img.sections]).seal(),
@@ -403,11 +439,16 @@ def test_container_errors_agree(lib: Any, seeds: list[Path], tmp_path: Path) -> 
     fifo = tmp_path / "fifo.om"
     os.mkfifo(fifo)
     compare(lib, fifo)  # refused, never waited on
-    # More sections than the model struct holds (a writer makes six): refused once the first 64
+    code, message = npucrt_util.load(lib, tmp_path / "version_1.om")
+    assert code == 403 and "has .om format version 1; this npuc reads version 2" in message, message
+    code, message = npucrt_util.load(lib, tmp_path / "weight_flip.om")
+    assert code == 405 and "section 'weights' (chunk 0, bytes 0.." in message, message
+    # More sections than the model struct holds (a writer makes seven): refused once the first 64
     # pass, where Python reads on; a bad entry among the first 64 is refused alike.
     many = om_fuzz.OmImage([*img.sections, *[(f"x{i}", b"") for i in range(70)]]).seal()
     code, message = npucrt_util.load(lib, _write(tmp_path, "many.om", many))
-    assert code == 404 and message.endswith("it has 75 sections; this runtime reads at most 64"), message
+    assert code == 404 and message.endswith(f"it has {len(img.sections) + 70} sections; this runtime reads at most "
+                                            "64"), message
     compare(lib, _write(tmp_path, "many_bad.om", om_fuzz.OmImage(
         [*img.sections[:2], ("bad/name", b""), *img.sections[2:], *[(f"x{i}", b"") for i in range(70)]]).seal()))
     # A tensor-parallel manifest is for torchrun: refused by name (the Python side: NPUC-E0150 too).

@@ -40,7 +40,7 @@ def rewrite(src: Path, dst: Path, edit: Edit | None = None, sections: dict[str, 
         if edit is not None:
             edit(m)
         extra = {n: bytes(om.section(n)) for n in om.section_names()
-                 if n not in MODEL_SECTIONS and n not in ("weights", "modeldef")}
+                 if n not in MODEL_SECTIONS and n not in ("weights", "weights.xxh3", "modeldef")}  # the writer's own
         extra.update(sections or {})
         with om.section("weights") as w, OmWriter(dst) as out:
             for name, data in split_model(m).items():

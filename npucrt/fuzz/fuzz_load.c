@@ -2,9 +2,10 @@
  * (npuc_model_load_buffer: container, model sections, validation, the executor's dry bind),
  * queried when it loads, and freed.
  *
- * Build it with NPUC_FUZZ_NO_CHECKSUMS, which makes the loader skip every SHA-256 check (the
- * section table's and each payload's) in this build only, so that mutations reach the decoder
- * and the validation instead of stopping at a checksum a fuzzer cannot forge:
+ * Build it with NPUC_FUZZ_NO_CHECKSUMS, which makes the loader skip every checksum (the section
+ * table's and each header section's SHA-256, the weights' XXH3-128 chunk digests and their digest
+ * in the table) in this build only, so that mutations reach the decoder and the validation instead
+ * of stopping at a checksum a fuzzer cannot forge; the chunk table's structure is still checked:
  *
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -DNPUC_FUZZ_NO_CHECKSUMS -Iinclude -Inpucrt/src \
  *       npucrt/fuzz/fuzz_load.c npucrt/src/{util,sha256,om,validate,op_schema,model_api}.c stub.c -lm -lpthread \

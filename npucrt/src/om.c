@@ -924,19 +924,32 @@ static int check_chunk_table(const npuc_model *m, const rt_section *w, const rt_
 }
 
 #ifndef NPUC_FUZZ_NO_CHECKSUMS
+/* Bytes of weights asked for ahead of the hashing (POSIX_MADV_WILLNEED): enough outstanding reads
+ * to keep a disk busy, little enough not to evict what a model larger than memory needs. */
+#define READ_AHEAD (128ull << 20)
+
+/* The chunks [from, to) of the weights asked for now (a mapped file only: a caller's buffer is
+ * in memory already). The start is page-aligned where pages are 4096 bytes (the weights' and
+ * the chunks' alignment); elsewhere the advice is refused, and it is only advice. */
+static void want_chunks(const npuc_model *m, const uint8_t *base, uint64_t size, uint64_t chunk, uint64_t from,
+                        uint64_t to) {
+    if (m->mapping == NULL || from * chunk >= size) return;
+    uint64_t end = to * chunk < size ? to * chunk : size;
+    (void)posix_madvise((void *)(uintptr_t)(base + from * chunk), (size_t)(end - from * chunk),
+                        POSIX_MADV_WILLNEED);
+}
+
 /* Every weights chunk against its XXH3-128, read through the mapping the run then uses: the
- * pages this faults in (the kernel's readahead, asked for sequentially) are the ones the first
- * run would have faulted in, so a cold load costs one read of the file either way. */
+ * pages read here are the ones the first run would have faulted in, so a cold load reads the
+ * file once either way; the reads are asked for READ_AHEAD ahead of the hashing, so the disk
+ * works while xxh3 (tens of GB/s) hashes, instead of one page fault's readahead at a time. */
 static int verify_weights(const npuc_model *m, const rt_section *w, const rt_section *t, uint64_t chunk,
                           npuc_error *err) {
     const uint8_t *base = m->data + w->offset, *want = m->data + t->offset + CHUNKS_HEAD;
-    if (m->mapping != NULL && w->size) {
-        /* A page-aligned start where pages are 4096 bytes (the weights' alignment); elsewhere
-         * the advice is refused, and it is only advice. */
-        (void)posix_madvise((void *)(uintptr_t)base, (size_t)w->size, POSIX_MADV_SEQUENTIAL);
-    }
-    uint64_t n_chunks = (t->size - CHUNKS_HEAD) / 16u;
+    uint64_t n_chunks = (t->size - CHUNKS_HEAD) / 16u, ahead = READ_AHEAD / chunk ? READ_AHEAD / chunk : 1;
+    want_chunks(m, base, w->size, chunk, 0, ahead);
     for (uint64_t k = 0; k < n_chunks; k++) {
+        want_chunks(m, base, w->size, chunk, k + ahead, k + ahead + 1);
         uint64_t start = k * chunk, n = w->size - start < chunk ? w->size - start : chunk;
         uint8_t digest[16];
         npuc_xxh3_128(base + start, (size_t)n, digest);
@@ -947,7 +960,6 @@ static int verify_weights(const npuc_model *m, const rt_section *w, const rt_sec
             return checksum(err, what);
         }
     }
-    if (m->mapping != NULL && w->size) (void)posix_madvise((void *)(uintptr_t)base, (size_t)w->size, POSIX_MADV_NORMAL);
     return NPUC_OK;
 }
 #endif

@@ -6,8 +6,10 @@ Seeds are three tiny Llama `.om` files (plain; prefill + decode with a KV cache;
 compiled once and cached under the temp folder, keyed by npuc's version. Each mutant
 is one of: bit flips anywhere, a truncation, a section-table edit (table checksum
 re-sealed), a protobuf field edit of modeldef / plan / tasks / metadata, a tokenizer or
-weights edit; every structured edit re-seals the section SHA-256s and the table's as
-`OmWriter` does, so mutants get past the checksum gate and reach the validator.
+weights edit, a raw edit of one section (the weights' chunk digests too); every structured
+edit re-seals as `OmWriter` does (the header sections' SHA-256s, the weights' XXH3-128
+chunk digests and their digest in the weights entry, the table's SHA-256), so mutants get
+past the checksum gate and reach the validator.
 
 Each mutant is made and run in a worker process (tests/fuzz/pool.py; RLIMIT_AS 2 GiB,
 10 s per execution; a worker that dies is replaced) through `validate_om`, `model_info`, `Session.load`, one run of
@@ -44,6 +46,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from tests.fuzz.pool import Died, Pool
 
 CORPUS = Path(__file__).parent / "corpus" / "om"
@@ -57,6 +61,8 @@ _HEADER = struct.Struct("<8sIIII32s8s")
 _ENTRY = struct.Struct("<16sQQ32s")
 _ALIGN = {"weights": 4096}
 _DEFAULT_ALIGN = 64
+_CHUNKS = "weights.xxh3"  # chunk size u64, count u64, an XXH3-128 per chunk of the weights
+_CHUNK = 4 << 20
 _PROTO_SECTIONS = {"modeldef": "ModelDef", "plan": "Plans", "tasks": "Tasks", "metadata": "Metadata"}
 
 
@@ -74,10 +80,11 @@ def _tiny_checkpoint(path: Path) -> None:
 
 
 def seed_files() -> list[Path]:
-    """The seed `.om` files, compiled on first use and cached per npuc version."""
+    """The seed `.om` files, compiled on first use and cached per npuc version and .om format."""
     import npuc
+    from npuc.backend.om_format import FORMAT_VERSION
 
-    root = Path(tempfile.gettempdir()) / f"npuc-om-fuzz-seeds-{npuc.__version__}"
+    root = Path(tempfile.gettempdir()) / f"npuc-om-fuzz-seeds-{npuc.__version__}-om{FORMAT_VERSION}"
     want = {"plain": {}, "kv": {"max_seq_len": 16}, "w4": {"max_seq_len": 16, "quant_type": "w4a16",
                                                            "group_size": 32}}
     paths = [root / f"{name}.om" for name in want]
@@ -109,8 +116,17 @@ class OmImage:
             out.append((raw.rstrip(b"\0").decode("ascii"), data[off:off + size]))
         return cls(out)
 
-    def seal(self) -> bytes:
-        """Lay the sections out and checksum them as OmWriter does."""
+    def seal(self, rechunk: bool = True) -> bytes:
+        """Lay the sections out and checksum them as OmWriter does. With `rechunk` the
+        weights' chunk digests are made afresh from the weights (at the chunk size the
+        file names, where that is one a reader takes); without, they are left as they are
+        (an edit of the digests themselves) and only their SHA-256 is re-sealed."""
+        weights, chunks = self.get("weights"), self.get(_CHUNKS)
+        if rechunk and weights is not None and chunks is not None:
+            size = struct.unpack_from("<Q", chunks)[0] if len(chunks) >= 8 else 0
+            self.put(_CHUNKS, chunk_table(weights, size if 4096 <= size <= 1 << 30 and not size & (size - 1)
+                                          else _CHUNK))
+        chunks = self.get(_CHUNKS)
         table_end = _HEADER.size + _ENTRY.size * len(self.sections)
         pos, offsets = table_end, []
         for name, data in self.sections:
@@ -118,10 +134,16 @@ class OmImage:
             pos = (pos + a - 1) // a * a
             offsets.append(pos)
             pos += len(data)
-        table = b"".join(_ENTRY.pack(n.encode("ascii")[:16], off, len(d), hashlib.sha256(d).digest())
+
+        def digest(name: str, data: bytes) -> bytes:
+            if name != "weights":
+                return hashlib.sha256(data).digest()
+            return xxhash.xxh3_128_digest(chunks) + bytes(16) if chunks is not None else bytes(32)
+
+        table = b"".join(_ENTRY.pack(n.encode("ascii")[:16], off, len(d), digest(n, d))
                          for (n, d), off in zip(self.sections, offsets, strict=True))
         out = bytearray(pos)
-        out[:table_end] = _HEADER.pack(b"NPUCOM\x00\x01", 1, 0, len(self.sections), 0,
+        out[:table_end] = _HEADER.pack(b"NPUCOM\x00\x01", 2, 0, len(self.sections), 0,
                                        hashlib.sha256(table).digest(), bytes(8)) + table
         for (_, d), off in zip(self.sections, offsets, strict=True):
             out[off:off + len(d)] = d
@@ -132,6 +154,13 @@ class OmImage:
 
     def put(self, name: str, data: bytes) -> None:
         self.sections = [(n, data if n == name else d) for n, d in self.sections]
+
+
+def chunk_table(weights: bytes, chunk: int = _CHUNK) -> bytes:
+    """The weights.xxh3 payload of `weights` in chunks of `chunk` bytes."""
+    n = -(-len(weights) // chunk)
+    return struct.pack("<QQ", chunk, n) + b"".join(xxhash.xxh3_128_digest(weights[k * chunk:(k + 1) * chunk])
+                                                   for k in range(n))
 
 
 def _reseal_table(data: bytearray) -> None:
@@ -189,7 +218,8 @@ def mutate_table(rng: random.Random, data: bytes) -> bytes:
             struct.pack_into("<Q", out, off, new & (2**64 - 1))
         if rng.random() < 0.5:  # also re-seal that entry's section checksum when it still lies in the file
             name_, off_, size_, _ = _ENTRY.unpack_from(out, at)
-            if off_ + size_ <= len(out):
+            # (the weights entry's digest is of the chunk digests, not of its payload: it stays)
+            if off_ + size_ <= len(out) and name_.rstrip(b"\0") != b"weights":
                 out[at + 32:at + 64] = hashlib.sha256(bytes(out[off_:off_ + size_])).digest()
     _reseal_table(out)
     return bytes(out)
@@ -381,7 +411,7 @@ def mutate_section_bytes(rng: random.Random, data: bytes) -> bytes:
         for _ in range(rng.choice([1, 2, 8])):
             b[rng.randrange(len(b))] = rng.randrange(256)
     img.put(name, bytes(b))
-    return img.seal()
+    return img.seal(rechunk=name != _CHUNKS)
 
 
 def mutate_weights(rng: random.Random, data: bytes) -> bytes:
@@ -575,11 +605,20 @@ def _normalise(sig: str) -> str:
     return re.sub(r"\b\d{3,}\b", "N", sig)
 
 
+def _build_native() -> None:
+    """Build libnpucrt (cached by its sources' hash) here, before the workers: a build in a
+    worker, after a source changed, takes longer than an execution may and reads as a hang."""
+    from npuc.runtime import native
+
+    native.library()
+
+
 def fuzz(execs: int, seed: int = 0, jobs: int = 1, save_corpus: bool = False, timeout: float = TIMEOUT_S,
          log: Callable[[str], None] | None = None, start_at: int = 0) -> Summary:
     """Mutants start_at .. start_at + execs - 1 of `seed` (each is a function of (seed, i) alone,
     so a long run splits into shards that together are the one run)."""
     paths = [str(p) for p in seed_files()]
+    _build_native()
     summary = Summary()
     start = time.monotonic()
     seen_sigs: set[tuple[str, str]] = set()
@@ -611,6 +650,7 @@ def fuzz(execs: int, seed: int = 0, jobs: int = 1, save_corpus: bool = False, ti
 
 def replay(paths: list[str], timeout: float = TIMEOUT_S) -> dict[str, Outcome]:
     """Each file through the same checks, in a worker (tests/test_fuzz_om.py replays the corpus)."""
+    _build_native()
     with tempfile.TemporaryDirectory(prefix="npuc-om-replay-") as tmp, \
             Pool[tuple[str, str]](_worker, 1, timeout, lambda k: ([], tmp)) as pool:
         return {job[1]: classify(answer) for job, answer in pool.run(("path", p) for p in paths)}

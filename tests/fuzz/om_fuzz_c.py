@@ -89,7 +89,7 @@ def libasan_available() -> bool:
 def _source_key() -> str:
     h = hashlib.sha256()
     files = [npucrt_util.ROOT / DRIVER, npucrt_util.INCLUDE / "npucrt.h",
-             *sorted(npucrt_util.SRC.glob("*.[ch]"))]
+             *sorted(npucrt_util.SRC.glob("*.[ch]")), *sorted(npucrt_util.SRC.glob("third_party/*.h"))]
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     cc = npucrt_util.compiler() or ""
