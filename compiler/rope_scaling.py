@@ -166,11 +166,30 @@ def _frequencies(r: Rotary, seq_len: torch.Tensor | int) -> torch.Tensor:
     if r.rope_type == "longrope":
         # long_factor's frequencies, as transformers' update computes them
         grown, _ = ROPE_INIT_FUNCTIONS["longrope"](m.config, original.device, seq_len=r.limit + 1, **kw)
+    elif r.rope_type == "dynamic" and isinstance(seq_len, torch.Tensor) and seq_len.dim() > 0:
+        grown = _dynamic_rows(r, seq_len)
     else:
         # dynamic's attention factor is 1 at every length, as at init: the module's stands
         grown, _ = ROPE_INIT_FUNCTIONS[r.rope_type](m.config, original.device, seq_len=seq_len, **kw)
     grown = grown.to(original.dtype)
     return grown if isinstance(seq_len, int) else torch.where(seq_len > r.limit, grown, original)
+
+
+def _dynamic_rows(r: Rotary, seq_len: torch.Tensor) -> torch.Tensor:
+    """transformers' _compute_dynamic_ntk_parameters at one length per position ([.., n, 1]
+    -> [.., n, d/2]). Its decode step computes the base on a 0-d float32 tensor, where torch's
+    power is the correctly rounded one; a vector of lengths would take the vectorised float32
+    power, up to 3 ulp off, which moves row 32767's rotation by 5e-4. The power is taken in
+    float64 and rounded instead, which gives the 0-d result."""
+    config = r.module.config
+    params = config.rope_parameters if r.layer_type is None else config.rope_parameters[r.layer_type]
+    head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    factor, positions = params["factor"], config.max_position_embeddings
+    seq = torch.maximum(seq_len, torch.tensor(positions, dtype=seq_len.dtype))
+    stretch = (factor * seq / positions) - (factor - 1)  # float32, as transformers computes it
+    base = params["rope_theta"] * (stretch.double() ** (dim / (dim - 2))).float()
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def _inner(module: Any) -> Any:
@@ -205,25 +224,29 @@ def _static_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor, laye
     return _rotate(r, x, position_ids, _frequencies(r, _seq_len(r, position_ids)))
 
 
-def _check_per_position(r: Rotary) -> None:
-    """Dynamic NTK tabulated by position needs a rotary forward that takes a row of frequencies
-    per position (transformers' elementwise outer product does; a matmul by one [d/2] vector
-    would not): checked against the positions one at a time."""
-    pos = torch.tensor([[0, r.limit - 1, r.limit, r.limit + 7]])
+def _check_per_position(r: Rotary, n: int) -> None:
+    """Dynamic NTK tabulated by position (cache length `n`) needs _dynamic_rows to be
+    transformers' frequencies, and a rotary forward that takes a row of frequencies per
+    position (its elementwise outer product does; a matmul by one [d/2] vector would not):
+    both checked against transformers' own functions, one position at a time."""
     x = torch.zeros(1)
     with torch.no_grad():
         try:
+            ends = torch.tensor([r.limit, r.limit + 1, 2 * r.limit, n])
+            ok = torch.allclose(_frequencies(r, ends[:, None]),
+                                torch.stack([_frequencies(r, t) for t in ends]), rtol=1e-6, atol=0)
+            pos = torch.tensor([[0, r.limit - 1, r.limit, r.limit + 7]])  # few radians: rounding stays small
             cos, sin = _rotate(r, x, pos, _frequencies(r, (pos + 1)[..., None]))
-            ok = cos.shape[-2] == pos.shape[1] and all(
-                torch.allclose(cos[..., i:i + 1, :], c, rtol=0, atol=1e-4)
-                and torch.allclose(sin[..., i:i + 1, :], s, rtol=0, atol=1e-4)
+            ok = ok and cos.shape[-2] == pos.shape[1] and all(
+                torch.allclose(cos[..., i:i + 1, :], c, rtol=0, atol=1e-5)
+                and torch.allclose(sin[..., i:i + 1, :], s, rtol=0, atol=1e-5)
                 for i, p in enumerate(pos[0].tolist())
                 for c, s in [_rotate(r, x, pos[:, i:i + 1], _frequencies(r, torch.tensor(p + 1)))])
-        except RuntimeError:
+        except (RuntimeError, KeyError, TypeError):
             ok = False
     if not ok:
-        raise NpucError("NPUC-E0123", f"cannot compile a decode program: the dynamic NTK RoPE of "
-                        f"{type(r.module).__name__} does not rotate each position by its own frequencies",
+        raise NpucError("NPUC-E0123", f"cannot compile a decode program: npuc cannot tabulate the dynamic NTK "
+                        f"RoPE of {type(r.module).__name__} by position as transformers computes it",
                         "compile without --max_seq_len for a single program (rotated as transformers rotates a "
                         "forward of its length)", exit_code=EXIT_UNSUPPORTED)
 
@@ -232,10 +255,11 @@ def _check_per_position(r: Rotary) -> None:
 def traceable(model: Any) -> Iterator[list[Rotary]]:
     """While tracing `model`: its length-dependent rotations through `_static_forward`."""
     rotaries = length_dependent(model)
-    if _CACHE_LENGTH.get() is not None:
+    n = _CACHE_LENGTH.get()
+    if n is not None:
         for r in rotaries:
             if r.rope_type != "longrope":
-                _check_per_position(r)
+                _check_per_position(r, n)
     modules = list({id(r.module): r.module for r in rotaries}.values())
     try:
         for m in modules:

@@ -191,6 +191,29 @@ def test_a_short_prompt_decodes_past_the_original_context(kind: str, checkpoints
         assert within < TOL
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_table_is_transformers_rotation_at_every_position(kind: str, checkpoints: Callable[[str], Path],
+                                                              compiled: Callable[..., Session]) -> None:
+    """The cos/sin table decode reads, row p against transformers' rotary module at position p:
+    one forward over every position (dynamic: a freshly loaded module stepped one position at
+    a time, as its decode steps run it)."""
+    sess = compiled(kind)
+    step = next(st for st in sess.programs["decode"].steps if st.opdef.name == "rope_lut")
+    cos, sin = (sess.views[i].float() for i in step.inputs[2:4])
+    assert cos.shape[0] >= MAX
+    rotary, x = _hf(checkpoints(kind)).model.rotary_emb, torch.zeros(1)
+    with torch.no_grad():
+        if kind == "dynamic":
+            rows = [rotary(x, torch.tensor([[p]])) for p in range(MAX)]
+            want_cos, want_sin = (torch.cat([r[k][0] for r in rows]) for k in (0, 1))
+        else:
+            want_cos, want_sin = (t[0] for t in rotary(x, torch.arange(MAX)[None]))
+    half = cos.shape[1]
+    assert torch.equal(want_cos[:, :half], want_cos[:, half:])  # rotate_half's: the table holds one half
+    assert float((cos[:MAX] - want_cos[:, :half]).abs().max()) < 1e-6
+    assert float((sin[:MAX] - want_sin[:, :half]).abs().max()) < 1e-6
+
+
 def test_longrope_within_the_original_context_is_short_factor(compiled: Callable[..., Session],
                                                               checkpoints: Callable[[str], Path]) -> None:
     """--max_seq_len at the original context keeps LongRoPE's short_factor: transformers'
