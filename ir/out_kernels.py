@@ -314,6 +314,48 @@ def _add_alibi(scores: torch.Tensor, slopes: tuple[float, ...], pos: torch.Tenso
         scores[:, h].add_(rel, alpha=slope)
 
 
+def _kv_write_ws(ins: T, outs: T, a: A) -> int:
+    """Packed int8 rows: an f32 copy of the new rows, their |x|, their scales, and the packed
+    rows themselves. Other caches need none."""
+    cache, new = ins[:2]
+    if cache.dtype != DType.i8:
+        return 0
+    rows = new.numel // max(new.shape[-1], 1)
+    return (2 * new.numel + rows + 1) * F32 + rows * (new.shape[-1] + _KV_SCALE)
+
+
+@out_kernel("kv_write", workspace=_kv_write_ws)
+def _kv_write(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
+    """kv_write into packed int8 rows without allocating: the reference's quantization
+    (ir/fused_ops.quantize_kv_rows) step by step in the workspace, then the same copy."""
+    cache, new, pos = xs[:3]
+    if cache.dtype != torch.int8 or ws is None or new.dim() != 4 or not new.dtype.is_floating_point \
+            or pos.dtype != torch.int64 or (len(xs) > 3 and xs[3].dtype != torch.int64):
+        return False  # a cache in new's dtype or a half one: the reference converts in place already
+    b, h, s, d = new.shape
+    x = _f32(ws, 0, (b, h, s, d)).copy_(new)
+    off = x.numel() * F32
+    mag = torch.abs(x, out=_f32(ws, off, (b, h, s, d)))
+    off += mag.numel() * F32
+    scale = torch.amax(mag, dim=-1, keepdim=True, out=_f32(ws, off, (b, h, s, 1)))
+    off += scale.numel() * F32
+    scale.div_(_scalar(ws, off, 127.0))
+    off += F32
+    # x / scale rounds half to even; a row of zeros (scale 0) gives 0 / 0 = nan -> code 0
+    x.div_(scale).round_().nan_to_num_(0.0).clamp_(-127, 127)
+    packed = ws[off:off + b * h * s * (d + _KV_SCALE)].view(torch.int8).view(b, h, s, d + _KV_SCALE)
+    packed[..., :_KV_SCALE].copy_(scale.view(torch.int8))
+    packed[..., _KV_SCALE:].copy_(x)
+    if len(xs) > 3:  # one sequence into its slot
+        cache[int(xs[3].reshape(-1)[0])].index_copy_(1, pos.reshape(-1), packed[0])
+    elif pos.dim() == 2:  # each sequence at its own positions
+        for j in range(cache.shape[0]):
+            cache[j].index_copy_(1, pos[j], packed[j])
+    else:
+        cache.index_copy_(2, pos.reshape(-1), packed)
+    return True
+
+
 def _widen_rows(dst: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """One head's cached rows [n, width] as f32 [n, d] in `dst`: copied, or (packed int8 rows,
     ir/fused_ops.py) their codes times their scales, as the reference dequantizes them."""
