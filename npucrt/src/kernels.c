@@ -1249,6 +1249,52 @@ static inline __attribute__((always_inline)) void dec_values64(const float *p, c
     _mm256_storeu_ps(acc + 48, c6); _mm256_storeu_ps(acc + 56, c7);
 }
 
+/* NR (2..4) query rows of a GQA block over the same keys (D % 8 == 0): each 8 values of a key
+ * row loaded (and widened) once for all NR rows, four keys at a time, q read from L1 as the
+ * FMA's memory operand; sc[r * ss + j] = scale * q_r . key(j). `NR` and `kind` constants. */
+static inline __attribute__((always_inline)) void dec_scores_g(const float *qf, i64 D, int NR, const char *k,
+                                                                 i64 krb, int kind, i64 n, float scale, float *sc,
+                                                                 i64 ss) {
+    i64 j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const char *r0 = k + j * krb;
+        __m256 a[4][4];
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
+        for (i64 d = 0; d < D; d += 8)
+            for (int t = 0; t < 4; t++) {
+                __m256 kv = kv_load8(r0 + t * krb, kind, d);
+                for (int r = 0; r < NR; r++) a[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), kv, a[r][t]);
+            }
+        __m128 ks = _mm_set1_ps(scale);
+        if (kind == NPUC_KV_I8)
+            ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(r0, kind), kv_scale(r0 + krb, kind), kv_scale(r0 + 2 * krb, kind),
+                                            kv_scale(r0 + 3 * krb, kind)));
+        for (int r = 0; r < NR; r++) {
+            __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+            _mm_storeu_ps(sc + r * ss + j,
+                          _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)), ks));
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        if (j < n) dec_scores1(qf + r * D, k + j * krb, krb, kind, D, n - j, scale, sc + r * ss + j);
+}
+
+static void dec_scores_g_any(const float *qf, i64 D, int nr, const char *k, i64 krb, int kind, i64 n, float scale,
+                             float *sc, i64 ss) {
+#define DEC_G_KINDS(NR)                                                                                       \
+    switch (kind) {                                                                                           \
+    case NPUC_KV_F32: dec_scores_g(qf, D, NR, k, krb, NPUC_KV_F32, n, scale, sc, ss); return;                 \
+    case NPUC_KV_BF16: dec_scores_g(qf, D, NR, k, krb, NPUC_KV_BF16, n, scale, sc, ss); return;               \
+    case NPUC_KV_F16: dec_scores_g(qf, D, NR, k, krb, NPUC_KV_F16, n, scale, sc, ss); return;                 \
+    default: dec_scores_g(qf, D, NR, k, krb, NPUC_KV_I8, n, scale, sc, ss); return;                           \
+    }
+    if (nr == 2) DEC_G_KINDS(2)
+    if (nr == 3) DEC_G_KINDS(3)
+    DEC_G_KINDS(4)
+#undef DEC_G_KINDS
+}
+
 /* The two above for a run-time layout: each case inlines its own copy. */
 static void dec_scores1_any(const float *qf, const char *k, i64 krb, int kind, i64 D, i64 n, float scale,
                             float *sc) {
@@ -1311,7 +1357,12 @@ static void dec_chunk(const void *p, i64 c, int tid) {
         /* row by row over the tile: the tile came from memory for the first row, from L2 for the
          * others (npuc_cached_attention sizes it so) */
         fast = D % 8 == 0 && DV % 8 == 0;
-        if (fast)
+        /* decode's GQA block over a half or int8 cache (2-4 rows that all see the tile's keys): each
+         * key row loaded and widened once (f32: no faster than a row at a time, measured) */
+        int shared = fast && j->kind != NPUC_KV_F32 && nr >= 2 && nr <= 4;
+        for (i64 rr = 0; rr < nr && shared; rr++) shared = n[rr] - t0 >= nt;
+        if (shared) dec_scores_g_any(qf, D, (int)nr, kb + t0 * j->krb, j->krb, j->kind, nt, j->scale, sc, j->T);
+        if (fast && !shared)
             for (i64 rr = 0; rr < nr; rr++) {
                 i64 seen = n[rr] - t0 < nt ? n[rr] - t0 : nt;
                 if (seen > 0) dec_scores1_any(qf + rr * D, kb + t0 * j->krb, j->krb, j->kind, D, seen, j->scale,
