@@ -483,6 +483,10 @@ def hf_config(g: GgufFile) -> Any:
             mscale = float(g.get("rope.scaling.yarn_log_multiplier")) / 0.1  # llama.cpp stores 0.1 * mscale_all_dim
             rope.update(mscale=mscale, mscale_all_dim=mscale)
         kw["rope_scaling"] = rope
+    longrope = _longrope(g)
+    if longrope is not None:
+        kw["rope_scaling"] = longrope
+        kw["original_max_position_embeddings"] = longrope["original_max_position_embeddings"]
     model_type = arch.model_type
     if g.arch == "deepseek2":
         model_type = _deepseek_config(g, kw)
@@ -669,6 +673,8 @@ def _build(path: str | os.PathLike[str]) -> tuple[Any, list[Treatment]]:
             b.copy_(value)
             done.append(Treatment(t.name, t.type_name, f"{DType.from_torch(b.dtype)} buffer {n}"))
     done += _rope_freqs(g, module)
+    done += [Treatment(n, g.tensors[n].type_name, "LongRoPE factors (rope_scaling)") for n in LONGROPE_TENSORS
+             if n in g.tensors]
     _report(g, done)
     give_storage(module, params)
     loaded = LoadedModel(module, "hf", {"use_cache": False}, sources, {n: torch.int64 for n in _INT_INPUTS},
@@ -700,6 +706,31 @@ def _report(g: GgufFile, ts: list[Treatment]) -> None:
     rounded = counted(lambda t: not t.exact)
     if rounded:
         log.warning("%s: %s narrowed to the model's dtype; a rounded value is reported when written", name, rounded)
+
+
+# Phi-3's LongRoPE factors: llama.cpp stores them as tensors, not metadata
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(g: GgufFile) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE as rope_scaling: llama.cpp's two tensors of per-frequency factors and the
+    original context from the metadata (compiler/rope_scaling.py). None without the tensors."""
+    tensors = [g.tensors.get(n) for n in LONGROPE_TENSORS]
+    if all(t is None for t in tensors):
+        return None
+    orig = g.get("rope.scaling.original_context_length")
+    missing = [n for n, t in zip(LONGROPE_TENSORS, tensors, strict=True) if t is None]
+    missing += ["rope.scaling.original_context_length"] if orig is None else []
+    if missing:
+        raise NpucError("NPUC-E0314", f"{os.path.basename(g.path)} has LongRoPE factors without {', '.join(missing)}",
+                        "the file's tensors do not match its metadata", exit_code=EXIT_IO)
+    long_f, short_f = (float_rows(_read_rows(g.path, t), t).reshape(-1).tolist() for t in tensors if t is not None)
+    rope: dict[str, Any] = {"rope_type": "longrope", "long_factor": long_f, "short_factor": short_f,
+                            "original_max_position_embeddings": int(orig)}
+    attn = g.get("rope.scaling.attn_factor")
+    if attn is not None:
+        rope["attention_factor"] = float(attn)
+    return rope
 
 
 def _rope_freqs(g: GgufFile, module: nn.Module) -> list[Treatment]:

@@ -241,3 +241,33 @@ def test_precheck_builds_the_longrope_programs(checkpoints: Callable[[str], Path
     report = precheck(str(checkpoints("longrope")), input_shape="input_ids:1,8", max_seq_len=MAX)
     assert not report.problems, [str(p) for p in report.problems]
     assert "generation (prefill + decode)" in report.checked
+
+
+def test_a_phi3_gguf_keeps_its_longrope_factors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's Phi-3 GGUF holds LongRoPE's factors as two tensors (rope_factors_long and
+    rope_factors_short) and the original context and attention factor as metadata: the import
+    makes them the config's rope_scaling, so the compile agrees with transformers past the
+    original context."""
+    import math
+
+    import gguf_models
+    import numpy as np
+
+    cfg = _config("longrope")
+    params, metadata = cfg.rope_parameters, gguf_models._metadata
+
+    def with_longrope(w: Any, c: Any, a: str) -> None:  # what llama.cpp's converter adds for Phi-3
+        metadata(w, c, a)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", ORIG)
+        w.add_float32(f"{a}.rope.scaling.attn_factor", math.sqrt(1 + math.log(MAX / ORIG) / math.log(ORIG)))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(params[f"{kind}_factor"], dtype=np.float32))
+
+    monkeypatch.setattr(gguf_models, "small_config", lambda arch: cfg)
+    monkeypatch.setattr(gguf_models, "_metadata", with_longrope)
+    model, _ = gguf_models.write_arch(tmp_path / "phi3.gguf", "phi3")  # F32: HF runs the same weights
+    om = compile_model(str(tmp_path / "phi3.gguf"), input_shape=f"input_ids:1,{2 * ORIG}",
+                       output=str(tmp_path / "m"), max_seq_len=MAX)
+    prompt = _prompt(2 * ORIG, seed=3)
+    err = _errors(Session.load(om), prompt, _hf_generate(model, prompt, ORIG))
+    assert max(err.values()) < TOL, err
