@@ -39,6 +39,7 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from npuc.compiler.driver import compile_model
 from npuc.compiler.onnx_frontend import MAX_OPSET, MIN_OPSET, supported_elem_types, supported_op_types
+from npuc.compiler.onnx_opsets import same_as_oldest
 from npuc.errors import InternalError, NpucError
 from npuc.runtime.executor import open_session
 from npuc.runtime.native_session import NativeSession
@@ -50,7 +51,8 @@ SUPPORTED_OPS: frozenset[str] = frozenset(supported_op_types())
 """ONNX operators (domain ai.onnx) the frontend converts."""
 
 SUPPORTED_OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
-"""The model's ai.onnx opset must lie in this range."""
+"""The model's ai.onnx opset must lie in this range, or be older with every operator's schema
+there the one at MIN_OPSET (`compiler.onnx_opsets.same_as_oldest`: it means the same)."""
 
 SUPPORTED_ELEM_TYPES: frozenset[int] = frozenset(supported_elem_types())
 """TensorProto element types npuc represents; every tensor in the model must have one."""
@@ -127,7 +129,7 @@ def model_opset(model: onnx.ModelProto) -> int | None:
 def out_of_scope(model: onnx.ModelProto) -> str | None:
     """Why the declared support does not cover `model` (the first limit it exceeds), or None."""
     opset = model_opset(model)
-    if opset is None or opset not in SUPPORTED_OPSETS:
+    if opset is None or (opset not in SUPPORTED_OPSETS and not same_as_oldest(model, opset)):
         return f"opset {opset}"
     for node in model.graph.node:
         if node.domain not in ("", "ai.onnx"):
@@ -540,8 +542,10 @@ executes the `.om`. Nothing else ever evaluates the ONNX model (no onnxruntime, 
 
 - `SUPPORTED_OPS`: the ONNX frontend's converters (`CONVERTERS` in `compiler/onnx_frontend.py`),
   domain `ai.onnx`; {n_ops} operators, listed in the table below.
-- `SUPPORTED_OPSETS`: the model's `ai.onnx` opset is {min_opset} to {max_opset} (the frontend refuses others;
-  below 17 it upgrades the model with ONNX's version converter first, `compiler/onnx_opsets.py`).
+- `SUPPORTED_OPSETS`: the model's `ai.onnx` opset is {min_opset} to {max_opset}, or older where every operator it
+  uses has the schema it has at {min_opset} (ONNX versions an operator whenever its meaning changes: `And`-7,
+  `Not`-1 are still current), which is then read at {min_opset}; the frontend refuses others. Below 17 it
+  upgrades the model with ONNX's version converter first (`compiler/onnx_opsets.py`).
 - `SUPPORTED_ELEM_TYPES`: every tensor in the model (inputs, outputs, initializers, attribute
   tensors, and intermediates after ONNX shape inference) is one of {elem_types}.
 - `COMPILE_TIME_OPERANDS`: npuc compiles static graphs, so operands that fix output shapes or

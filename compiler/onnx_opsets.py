@@ -38,11 +38,40 @@ def domain_opset(proto: Any, domain: str) -> int | None:
     return next((o.version for o in proto.opset_import if o.domain in names), None)
 
 
+def same_as_oldest(proto: Any, opset: int) -> bool:
+    """Whether every ai.onnx operator of `proto` (its subgraphs' too) has, at `opset` (below
+    OLDEST), the schema it has at OLDEST: ONNX versions an operator whenever its meaning
+    changes, so such a model means the same read at OLDEST. And-7, Or-7, Xor-7 and Not-1,
+    the boolean logic masks are built from, are still their operators' latest versions."""
+    import onnx
+
+    if not 1 <= opset < OLDEST:
+        return False
+    todo = [proto.graph]
+    while todo:
+        graph = todo.pop()
+        for n in graph.node:
+            if n.domain not in ("", "ai.onnx"):
+                continue
+            try:
+                if onnx.defs.get_schema(n.op_type, opset).since_version != \
+                        onnx.defs.get_schema(n.op_type, OLDEST).since_version:
+                    return False
+            except onnx.defs.SchemaError:
+                return False
+            for a in n.attribute:
+                todo.extend([a.g] if a.HasField("g") else [])
+                todo.extend(a.graphs)
+    return True
+
+
 def check_opset(proto: Any, path: str) -> int:
-    """The model's ai.onnx opset, refused (NPUC-E0310) outside the ones npuc reads."""
+    """The model's ai.onnx opset, refused (NPUC-E0310) outside the ones npuc reads (an older
+    one is read where it means what OLDEST does: `same_as_oldest`)."""
     opset = ai_onnx_opset(proto)
-    if not OLDEST <= opset <= MAX_OPSET:
-        raise NpucError("NPUC-E0310", f"{path!r} uses ONNX opset {opset}; npuc reads opsets {OLDEST} to {MAX_OPSET}",
+    if not OLDEST <= opset <= MAX_OPSET and not same_as_oldest(proto, opset):
+        raise NpucError("NPUC-E0310", f"{path!r} uses ONNX opset {opset}; npuc reads opsets {OLDEST} to {MAX_OPSET} (an older "
+                        f"one where each operator the model uses is unchanged up to {OLDEST})",
                         "re-export at a supported opset (17 or newer needs no conversion)",
                         exit_code=EXIT_UNSUPPORTED)
     return opset
@@ -55,6 +84,12 @@ def to_native(proto: Any, path: str) -> tuple[Any, int]:
         return proto, opset
     import onnx
     import onnx.version_converter
+
+    if opset < OLDEST:  # same_as_oldest: its operators are the ones at OLDEST, so it is read as written there
+        proto = _copy(onnx, proto)
+        for o in proto.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = OLDEST
 
     # onnxruntime's optimizer writes some of its contrib ops in the default domain
     # (SimplifiedLayerNormalization), which the converter has no schema for: they sit in a

@@ -154,3 +154,41 @@ def test_backend_never_evaluates_the_model_itself(tmp_path: Path) -> None:
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+# -- operators older than opset 11 that kept their meaning (issue 35) ----------------------------
+
+BOOLEAN_CASES = ["test_and2d", "test_and3d", "test_and4d", "test_and_bcast3v1d", "test_and_bcast3v2d",
+                 "test_and_bcast4v2d", "test_and_bcast4v3d", "test_and_bcast4v4d", "test_not_2d", "test_not_3d",
+                 "test_not_4d"]
+
+
+@pytest.mark.parametrize("case", BOOLEAN_CASES)
+def test_and_not_cases_at_their_own_opset_pass_in_scope(case: str) -> None:
+    """ONNX writes these at opset 7 (And) and 1 (Not), the operators' latest versions: they were
+    refused as opsets below 11 (NPUC-E0310), and so failed ONNX's own runner."""
+    from npuc.onnx_backend import node_test_dir, run_case
+
+    r = run_case(node_test_dir() / case, extended=False)
+    assert r.scope is None and not r.variant, r.scope  # in scope as written, not adapted
+    assert r.ok, r.reason
+
+
+def test_an_old_opset_whose_operator_changed_is_still_refused(tmp_path: Path) -> None:
+    """Softmax changed its meaning at opset 11 (and 13): a model at opset 7 is not read as at 11."""
+    from npuc.compiler.driver import compile_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    for op, refused in (("Softmax", True), ("Not", False)):
+        xt = helper.make_tensor_value_info("x", TensorProto.BOOL, [2, 3]) if op == "Not" else x
+        yt = helper.make_tensor_value_info("y", TensorProto.BOOL, [2, 3]) if op == "Not" else y
+        g = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g", [xt], [yt])
+        path = tmp_path / f"{op}.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 7)]), str(path))
+        if refused:
+            with pytest.raises(NpucError) as e:
+                compile_model(str(path), output=str(tmp_path / op))
+            assert e.value.code == "NPUC-E0310"
+        else:
+            compile_model(str(path), output=str(tmp_path / op))
