@@ -9,14 +9,17 @@ rank's file is written (a leading-axis shard straight from its byte range of the
 so the build holds one rank's pieces at a time, never the model N times.
 
 `<output>.om` is written last, as the manifest naming the rank files
-(backend/manifest.py); on any failure the files already written are removed.
+(backend/manifest.py); on any failure the files already written are removed. What a killed
+compile left (its `.part` files) and rank files the new manifest does not name (an earlier
+compile at a larger --tp) are swept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +94,8 @@ def compile_ranks(graphs: Sequence[Graph], tails: Sequence[Sequence[Pass]], worl
     written: list[str] = []
     ranks: list[RankFile] = []
     plans: list[RankPlan] = []
+    if write is not None:
+        remove_dead_parts(out_path)
     try:
         for rank in range(world):
             progress.stage(f"rank {rank}", 0)
@@ -125,12 +130,54 @@ def compile_ranks(graphs: Sequence[Graph], tails: Sequence[Sequence[Pass]], worl
                 os.replace(path, rank_file_name(out_path, rank))
             written.clear()
             write_manifest(out_path, Manifest(world, world, world if expert_parallel else 1, tuple(ranks)))
+            remove_stale_ranks(out_path, world)
         return plans
     except BaseException:
         for p in written:
             with contextlib.suppress(OSError):
                 os.unlink(p)
         raise
+
+
+def _rank_files(out_path: str) -> Iterator[tuple[str, re.Match[str]]]:
+    """The names in the output's folder that a compile of `out_path` writes or leaves: rank
+    files (model.rank<r>.om), their temporaries (.model.rank<r>.om.<pid>.part) and the temporaries
+    of those temporaries' writer (..model.rank<r>.om.<pid>.part.<pid>.<random>.tmp)."""
+    directory = os.path.dirname(os.path.abspath(out_path))
+    stem = re.escape(os.path.basename(out_path).removesuffix(".om"))
+    pattern = re.compile(rf"(?P<temp>\.{{1,2}})?{stem}\.rank(?P<rank>\d+)\.om(?:\.(?P<pid>\d+)\.part(?:\..*\.tmp)?)?")
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            m = pattern.fullmatch(name)
+            if m is not None and (m["temp"] is None) == (m["pid"] is None):
+                yield os.path.join(directory, name), m
+
+
+def remove_dead_parts(out_path: str) -> None:
+    """Delete the rank temporaries that a killed compile of this output left (its process is
+    gone: SIGKILL skips the cleanup below); a live compile's are left alone, as
+    backend/om_format.py's writer does for its own."""
+    for path, m in _rank_files(out_path):
+        pid = m["pid"]
+        if pid is None or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except OSError:
+            pass  # alive, but another user's
+
+
+def remove_stale_ranks(out_path: str, world: int) -> None:
+    """Delete the rank files of an earlier compile of this output at a larger world (a --tp 4
+    output compiled over with --tp 2 kept rank2 and rank3): the new manifest names none of
+    them, so nothing would ever read or replace them."""
+    for path, m in _rank_files(out_path):
+        if m["pid"] is None and int(m["rank"]) >= world:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _plan(rank: int, programs: Sequence[Graph], low: Lowered, replicated: int, target: Target) -> RankPlan:

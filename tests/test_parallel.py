@@ -558,3 +558,65 @@ def test_pass_refuses_what_it_cannot_split() -> None:
     with pytest.raises(NpucError) as e:  # 4 query heads, 2 KV heads over 3 ranks
         TensorParallel(0, 3)(clone_graph(g))
     assert e.value.code == "NPUC-E0151" and "3" in e.value.message
+
+
+# -- what earlier compiles of the output left (issue 35) ------------------------------------
+
+@pytest.fixture(scope="module")
+def llama8_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 heads, so --tp 4 and --tp 2 both split it (no tp_models: the sweeps need only a compile)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama8") / "ckpt"
+    tf.AutoModelForCausalLM.from_config(_llama8()).save_pretrained(path)
+    return path
+
+
+def _named_by_manifest(out: Path) -> set[str]:
+    from npuc.backend.manifest import read_manifest
+    from npuc.backend.om_format import OmFile
+
+    with OmFile.open(str(out), verify=True) as om:
+        manifest = read_manifest(om)
+    assert manifest is not None
+    return {out.name, *(r.file for r in manifest.ranks)}
+
+
+def test_a_smaller_tp_over_a_larger_one_leaves_no_rank_file_unnamed(llama8_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "m.om"
+    for tp in (4, 2):
+        compile_model(str(llama8_ckpt), input_shape=f"input_ids:1,{PREFILL}", output=str(tmp_path / "m"),
+                      max_seq_len=32, tp=tp)
+        assert {f.name for f in tmp_path.iterdir()} == _named_by_manifest(out)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["m.om", "m.rank0.om", "m.rank1.om"]
+    (tmp_path / "other.rank3.om").write_bytes(b"not ours")  # another output's name: kept
+    compile_model(str(llama8_ckpt), input_shape=f"input_ids:1,{PREFILL}", output=str(tmp_path / "m"),
+                  max_seq_len=32, tp=2)
+    assert (tmp_path / "other.rank3.om").exists()
+
+
+def test_a_killed_tp_compile_leaves_nothing_the_next_one_keeps(llama8_ckpt: Path, tmp_path: Path) -> None:
+    """SIGKILL skips the cleanup that removes the .part files of the ranks written so far; the
+    next compile of the output sweeps them (their process is gone), as the .om writer sweeps its own."""
+    import signal
+    import time
+
+    argv = [sys.executable, "-m", "npuc", "compile", str(llama8_ckpt), "--input_shape", f"input_ids:1,{PREFILL}",
+            "--max_seq_len", "32", "--tp", "4", "--output", str(tmp_path / "m")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not any(f.name.endswith(".part") for f in tmp_path.iterdir()):
+        assert proc.poll() is None, "the compile ended before it wrote a rank's .part file"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [f.name for f in tmp_path.iterdir()]
+    assert any(n.endswith(".part") for n in left) and "m.om" not in left, left
+    live = tmp_path / f".m.rank0.om.{os.getppid()}.part"  # a live compile's (pytest's parent): kept
+    live.write_bytes(b"")
+    compile_model(str(llama8_ckpt), input_shape=f"input_ids:1,{PREFILL}", output=str(tmp_path / "m"),
+                  max_seq_len=32, tp=2)
+    live.unlink()
+    assert {f.name for f in tmp_path.iterdir()} == _named_by_manifest(tmp_path / "m.om")
