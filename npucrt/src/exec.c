@@ -403,7 +403,7 @@ static int run_kv_write(const rt_step *st, npuc_session *s) {
 }
 
 /* The layout of a K/V cache of dtype dt (kernels.h's NPUC_KV_*), or -1: f32, bf16, f16, or
- * i8 (rows of an f32 scale and D codes, D + 4 bytes; docs/kv-cache.md). */
+ * i8 (rows of an f32 scale and D codes, D + 4 bytes; ir/fused_ops.py). */
 static int kv_kind(int dt) {
     return dt == NPUC_F32 ? NPUC_KV_F32 : dt == NPUC_BF16 ? NPUC_KV_BF16 : dt == NPUC_F16 ? NPUC_KV_F16
            : dt == NPUC_I8 ? NPUC_KV_I8 : -1;

@@ -982,7 +982,7 @@ int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const 
 
 /* ---- KV caches: four row layouts ----------------------------------------------------------------
  * A cache row (one slot, kv head, position) holds D values as f32, bf16, f16, or packed int8:
- * a 4-byte f32 scale, then D codes, value = code * scale (docs/kv-cache.md's layouts; the
+ * a 4-byte f32 scale, then D codes, value = code * scale (--kv_cache_dtype's layouts: the
  * reference kernels in ir/fused_ops.py). Rows are whole bytes apart, so one row's address is
  * base + row * kv_row_bytes. */
 

@@ -40,7 +40,7 @@ int npuc_rms_norm_f32(const float *x, const float *scale, float eps, float *out,
 int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const float *sin_t, float *out, i64 G,
                   i64 S, i64 d, i64 half, i64 T, int layout, i64 B, int nt);
 /* KV cache row layouts (kv_write, cached_attention): 0 and 1 as the other kernels' bf flag. int8:
- * rows of D + 4 bytes, an f32 scale then D codes (docs/kv-cache.md). */
+ * rows of D + 4 bytes, an f32 scale then D codes (ir/fused_ops.py). */
 enum { NPUC_KV_F32 = 0, NPUC_KV_BF16 = 1, NPUC_KV_F16 = 2, NPUC_KV_I8 = 3 };
 int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot, i64 B,
                   i64 H, i64 L, i64 S, i64 D);
