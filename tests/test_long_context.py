@@ -31,14 +31,17 @@ def _prompt(n: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def long_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A Llama (plain causal) and a Mistral with a 64-key sliding window, both with room for
-    the lengths below."""
+    """A Llama (plain causal), a Mistral with a 64-key sliding window and a Qwen2 with one on
+    its second layer, all with room for the lengths below."""
     import transformers as tf
 
     root = tmp_path_factory.mktemp("long")
     cfg = {**COMMON, "max_position_embeddings": LONG_CACHE}
     out = {}
-    for name, config in (("llama", tf.LlamaConfig(**cfg)), ("mistral", tf.MistralConfig(**cfg, sliding_window=WINDOW))):
+    configs = (("llama", tf.LlamaConfig(**cfg)), ("mistral", tf.MistralConfig(**cfg, sliding_window=WINDOW)),
+               # layer 0 attends every key, layer 1 a window: one mask each
+               ("qwen2", tf.Qwen2Config(**cfg, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)))
+    for name, config in configs:
         torch.manual_seed(0)
         tf.AutoModelForCausalLM.from_config(config).save_pretrained(str(root / name))
         out[name] = root / name
@@ -69,12 +72,13 @@ def test_8192_token_prompt_compiles_and_generates_hf_tokens(long_checkpoints: di
     assert _npuc_tokens(om, prompt) == want
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_32768_max_seq_len_compiles_and_generates_hf_tokens(arch: str, long_checkpoints: dict[str, Path],
                                                             tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The model traced at 32,768 positions: its mask is read there, not skipped with a
     warning. Mistral's window (64 keys) is wider than the 16-token prefill, so only that long
-    trace shows it; the prompt runs past it, where attending every cached key would differ."""
+    trace shows it; the prompt runs past it, where attending every cached key would differ.
+    Qwen2's second layer alone has one."""
     caplog.set_level("WARNING", logger="npuc")
     om = compile_model(str(long_checkpoints[arch]), input_shape="input_ids:1,16", output=str(tmp_path / arch),
                        max_seq_len=LONG_CACHE)
