@@ -43,8 +43,6 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from npuc.backend.memory_plan import Buffer, Plan, validate_plan
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
@@ -340,6 +338,8 @@ def _check_index(path: str, m: Any, op: Any, which: tuple[int, int, int], weight
     rows = int(table.shape[which[2]])
     low = -rows if op.op in ("gather", "index") else 0
     if idx.region == "weights" and idx.nbytes <= _SMALL and idx.dtype in ("i64", "i32"):
+        import numpy as np  # here, not at the top: `npuc info` imports this module and needs no numpy
+
         vals = np.frombuffer(weights[idx.offset:idx.offset + idx.nbytes], dtype="<i8" if idx.dtype == "i64" else "<i4")
         if vals.size and not (low <= int(vals.min()) and int(vals.max()) < rows):
             raise bad(E_INVALID, f"{path}: op {op.name!r} ({op.op}) indexes {rows} rows of {table.name!r} with "

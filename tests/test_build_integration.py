@@ -183,7 +183,7 @@ def assert_same_bytes(a: Path, b: Path) -> None:
         ia = {s.name: s for s in fa.section_info()}
         ib = {s.name: s for s in fb.section_info()}
         diff = [n for n in sorted(ia.keys() | ib.keys())
-                if n not in ia or n not in ib or (ia[n].size, ia[n].sha256) != (ib[n].size, ib[n].sha256)]
+                if n not in ia or n not in ib or (ia[n].size, ia[n].digest) != (ib[n].size, ib[n].digest)]
         detail = []
         for n in diff:
             if n in ia and n in ib:

@@ -356,7 +356,7 @@ def test_llama_graph(llama_om: str, tmp_path: Path) -> None:
             assert shape == list(by_name[v].shape)
     assert [i.name for i in model.graph.input] == ["input_ids"] and [o.name for o in model.graph.output] == ["logits"]
     meta = {p.key: p.value for p in model.metadata_props}
-    assert meta["target"] == m.target and meta["source_sha256"] and meta["compiler"].startswith("npuc")
+    assert meta["target"] == m.target and meta["source_xxh3"] and meta["compiler"].startswith("npuc")
     assert meta["npuc.program"] == "main"
     # The graph computes what npuc does.
     ids = np.arange(16, dtype=np.int64).reshape(1, 16) % 128
