@@ -39,9 +39,9 @@ from npuc.ir.evaluate import evaluate_value, reads_inputs
 from npuc.passes.attention_fusion import hides_nothing, mask_window
 from npuc.passes.decode_check import DecodeCheck, DecodeProbe
 from npuc.passes.kv_cache import FROM_DATA, UNCHECKED, KVCache, LongTrace
-from npuc.passes.mask_analysis import UNKNOWN, mask_window_of
 from npuc.passes.last_token_logits import LAST_TOKEN, LastTokenLogits
 from npuc.passes.manager import Pass
+from npuc.passes.mask_analysis import mask_window_of
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
 from npuc.passes.quantize import Quantize, check_quant
@@ -278,8 +278,8 @@ def _long_window(g: Graph, n: Node) -> int | None:
     if reads_inputs(n.inputs[3]):
         return FROM_DATA
     window = mask_window_of(n.inputs[3], q_len, k_len)  # read from how it is built: any length
-    if window != UNKNOWN:
-        return window  # type: ignore[return-value]
+    if not isinstance(window, str):  # else UNKNOWN: evaluated where small enough
+        return window
     values = evaluate_value(g, n.inputs[3], max_bytes=MASK_EVAL_BYTES)
     if values is None:
         return UNCHECKED
