@@ -826,14 +826,18 @@ class OmFile:
             except (OSError, ValueError) as e:
                 raise _cannot_open(p, str(e)) from e
         except OSError as e:
+            os.close(fd)
             raise _cannot_open(p, e.strerror or str(e)) from e
-        finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
-        try:
-            sections = _parse(p, mm, verify)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the weights are read from this descriptor: the file mapped, whatever the path names now
+            sections = _parse(p, mm, verify, fd)
         except BaseException:
             mm.close()
             raise
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
         return cls(p, mm, sections)
 
     def section_names(self) -> list[str]:
@@ -888,7 +892,7 @@ def _check_magic(path: str, head: bytes) -> None:
         )
 
 
-def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
+def _parse(path: str, mm: mmap.mmap, verify: bool, fd: int) -> list[SectionInfo]:
     """Check the whole structure of a mapped file; returns its sections in table order."""
     size = len(mm)
     magic, version, flags, count, reserved, table_sha, pad = _HEADER.unpack_from(mm, 0)
@@ -958,7 +962,7 @@ def _parse(path: str, mm: mmap.mmap, verify: bool) -> list[SectionInfo]:
     if WEIGHTS in by_name or WEIGHTS_DIGESTS in by_name:
         chunk = _check_chunk_table(mm, by_name)
         if verify:
-            _verify_weights(path, by_name[WEIGHTS][0], mm, by_name[WEIGHTS_DIGESTS][0], chunk)
+            _verify_weights(path, fd, by_name[WEIGHTS][0], mm, by_name[WEIGHTS_DIGESTS][0], chunk)
     return sections
 
 
@@ -997,38 +1001,31 @@ def _want(fd: int, weights: SectionInfo, chunk: int, start: int, end: int) -> No
             os.posix_fadvise(fd, weights.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
 
 
-def _verify_weights(path: str, weights: SectionInfo, mm: mmap.mmap, table: SectionInfo, chunk: int) -> None:
+def _verify_weights(path: str, fd: int, weights: SectionInfo, mm: mmap.mmap, table: SectionInfo, chunk: int) -> None:
     """Every weights chunk against its XXH3-128. With plain reads, not through the mapping:
     touching mapped pages would make every weight resident in this process before the first
     run; the reads fill the page cache that the run's mapping then finds warm."""
     expected = mm[table.offset + _CHUNKS_HEAD.size:table.offset + table.size]
     buf = memoryview(bytearray(min(chunk, max(weights.size, 1))))
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise _cannot_open(path, e.strerror or str(e)) from e
     # Reads asked for _READ_AHEAD ahead of the hashing, so the disk works while xxh3 hashes.
     ahead = max(1, _READ_AHEAD // chunk)
-    try:
-        _want(fd, weights, chunk, 0, ahead)
-        h = xxhash.xxh3_128()
-        for k in range(len(expected) // 16):
-            _want(fd, weights, chunk, k + ahead, k + ahead + 1)
-            start = weights.offset + k * chunk
-            n = min(chunk, weights.offset + weights.size - start)
-            h.reset()
-            done = 0
-            while done < n:  # in pieces of the buffer, should a chunk be larger than it
-                try:
-                    got = _read_into(fd, buf[:min(len(buf), n - done)], start + done)
-                except OSError as e:
-                    raise _cannot_open(path, e.strerror or str(e)) from e
-                if got == 0:
-                    raise _corrupt(f"section '{weights.name}' ends early")
-                h.update(buf[:got])
-                done += got
-            if h.digest() != expected[16 * k:16 * k + 16]:
-                raise _checksum(f"section '{weights.name}' (chunk {k}, bytes {start - weights.offset}.."
-                                f"{start - weights.offset + n})")
-    finally:
-        os.close(fd)
+    _want(fd, weights, chunk, 0, ahead)
+    h = xxhash.xxh3_128()
+    for k in range(len(expected) // 16):
+        _want(fd, weights, chunk, k + ahead, k + ahead + 1)
+        start = weights.offset + k * chunk
+        n = min(chunk, weights.offset + weights.size - start)
+        h.reset()
+        done = 0
+        while done < n:  # in pieces of the buffer, should a chunk be larger than it
+            try:
+                got = _read_into(fd, buf[:min(len(buf), n - done)], start + done)
+            except OSError as e:
+                raise _cannot_open(path, e.strerror or str(e)) from e
+            if got == 0:
+                raise _corrupt(f"section '{weights.name}' ends early")
+            h.update(buf[:got])
+            done += got
+        if h.digest() != expected[16 * k:16 * k + 16]:
+            raise _checksum(f"section '{weights.name}' (chunk {k}, bytes {start - weights.offset}.."
+                            f"{start - weights.offset + n})")

@@ -72,7 +72,8 @@ typedef struct npuc_tensor_info {
 
 typedef struct npuc_load_options {
     uint32_t struct_size;      /* sizeof(npuc_load_options): later fields may be added */
-    int32_t verify_checksums;  /* 1 (default): every section's SHA-256 before any use */
+    int32_t verify_checksums;  /* 1 (default): also every weights chunk's XXH3-128 before any use
+                                  (header sections' SHA-256s are always checked) */
     uint64_t max_memory;       /* arena + state cap in bytes; 0: NPUC_MAX_MEMORY, else physical memory */
 } npuc_load_options;
 

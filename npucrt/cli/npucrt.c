@@ -1312,7 +1312,7 @@ int main(int argc, char **argv) {
         } else if (is_gen && is_flag(a, "--timing")) {
             timing = 1;
         } else if (is_gen && is_flag(a, "--no-verify")) {
-            verify = 0; /* the checksums of the sections' payloads: every other check still runs */
+            verify = 0; /* the weights' chunk checksums: the header sections' and every other check still run */
         } else if (a[0] == '-' && a[1] != '\0') {
             rc = usage_error(cmd, "no such option: %s", a);
             goto out;
