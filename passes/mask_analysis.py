@@ -48,6 +48,9 @@ _COMPARES = {"eq", "ne", "lt", "le", "gt", "ge"}
 _VIEWS = frozenset({"reshape", "expand"})
 # The most bytes computed to read one leaf (an arange of 131,072 positions is 1 MiB).
 _LEAF_BYTES = 1 << 28
+# Integers a float dtype holds exactly (past them the graph's own arithmetic rounds, which
+# the exact forms here would not).
+_FLOAT_EXACT = {DType.f64: 1 << 53, DType.f32: 1 << 24, DType.f16: 1 << 11, DType.bf16: 1 << 8}
 # Exact integers in float64 (and in the int64 the leaves usually are).
 _EXACT = 1 << 52
 
@@ -138,6 +141,8 @@ class _Reader:
         ins = [self.read(x) for x in n.inputs]
         if all(isinstance(x, _Affine) for x in ins):
             lin = self._affine(n.op, ins, v.type.dtype)  # type: ignore[arg-type]
+            if isinstance(lin, _Affine):
+                self._exact(lin)
             if lin is not None:
                 return lin
         # Anything else is computed per diagonal: every operand must be a function of d.
@@ -179,7 +184,9 @@ class _Reader:
         if not bool((x == x[0] + slope * torch.arange(x.numel(), dtype=torch.float64)).all()):
             raise _Undecided  # not an arange
         s = int(slope)
-        return self._form(s if axis == -2 else 0, s if axis == -1 else 0, int(x[0]), v.type.dtype)
+        form = self._form(s if axis == -2 else 0, s if axis == -1 else 0, int(x[0]), v.type.dtype)
+        self._exact(form)
+        return form
 
     def _axis(self, t: torch.Tensor) -> int | None:
         """-2 (the mask's query axis) or -1 (its key axis): the one axis `t` varies along, where
@@ -193,6 +200,14 @@ class _Reader:
                 if bool((t == line).all()):
                     return axis
         return None
+
+    def _exact(self, x: _Affine) -> None:
+        """A float form whose values (at the box's corners: its extremes) the dtype does not hold
+        exactly is undecided: the graph would round where the form does not."""
+        limit = _FLOAT_EXACT.get(x.dtype)
+        if limit is not None and (x.a or x.b) and isinstance(x.c, Fraction) \
+                and max(abs(float(c)) for c in x.corners(self.q_len, self.k_len)) > limit:
+            raise _Undecided
 
     @staticmethod
     def _form(a: int, b: int, c: float | int | bool, dtype: DType) -> _Affine:
