@@ -373,7 +373,8 @@ def _attention_case(b: int, hq: int, hkv: int, s: int, length: int, d: int, dv: 
     (1, 4, 1, 3, 50, 24, 40, [0, 17, 49]),                 # three queries, MQA, head dims 24 / 40
     (2, 6, 3, 2, 33, 19, 13, [[0, 32], [5, 6]]),           # odd dims: the scalar paths
     (1, 2, 1, 1, 1500, 64, 64, [1499]),                    # long: split across threads and merged
-    (2, 6, 2, 1, 77, 32, 32, [[75], [76]]),                # GQA 3:1 (the 125M bench's), keys not a multiple of 4
+    (2, 6, 2, 1, 77, 32, 32, [[75], [76]]),                # GQA 3:1, keys not a multiple of 4
+    (2, 6, 2, 1, 77, 64, 64, [[75], [76]]),                # GQA 3:1 at head dim 64 (the 125M bench's)
     (1, 32, 1, 2, 90, 16, 16, [40, 89]),                   # 64 query rows of one kv head: two blocks
 ])
 def test_cached_attention_every_layout(lib: Any, cdt: torch.dtype, qdt: torch.dtype, b: int, hq: int, hkv: int,

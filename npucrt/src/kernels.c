@@ -1295,6 +1295,60 @@ static void dec_scores_g_any(const float *qf, i64 D, int nr, const char *k, i64 
 #undef DEC_G_KINDS
 }
 
+#ifdef NPUC_AVX512
+/* 16 values of a row from element k as f32 (int8: the codes). */
+static inline __attribute__((always_inline)) __m512 kv_load16(const char *row, int kind, i64 k) {
+    switch (kind) {
+    case NPUC_KV_F32: return _mm512_loadu_ps((const float *)row + k);
+    case NPUC_KV_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k))), 16));
+    case NPUC_KV_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
+    default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 4 + k))));
+    }
+}
+
+/* NR (2..4) query rows of a GQA block, DV = 64: acc_r += sum_j p_r[j] * value(j), each value row
+ * loaded (and widened) once for all NR rows, the NR x 64 accumulators in 16 zmm registers at most.
+ * p_r = p + r * ps. `NR` and `kind` constants. */
+static inline __attribute__((always_inline)) void dec_values_g64(const float *p, i64 ps, int NR, const char *v,
+                                                                   i64 vrb, int kind, i64 n, float *acc) {
+    __m512 a[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * 64 + c * 16);
+    for (i64 j = 0; j < n; j++) {
+        const char *row = v + j * vrb;
+        const float ks = kv_scale(row, kind);
+        __m512 x0 = kv_load16(row, kind, 0), x1 = kv_load16(row, kind, 16), x2 = kv_load16(row, kind, 32),
+               x3 = kv_load16(row, kind, 48);
+        for (int r = 0; r < NR; r++) {
+            __m512 pv = _mm512_set1_ps(p[r * ps + j] * ks);
+            a[r][0] = _mm512_fmadd_ps(pv, x0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(pv, x1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(pv, x2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(pv, x3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * 64 + c * 16, a[r][c]);
+}
+
+static void dec_values_g64_any(const float *p, i64 ps, int nr, const char *v, i64 vrb, int kind, i64 n,
+                               float *acc) {
+#define DEC_VG_KINDS(NR)                                                                                      \
+    switch (kind) {                                                                                           \
+    case NPUC_KV_F32: dec_values_g64(p, ps, NR, v, vrb, NPUC_KV_F32, n, acc); return;                         \
+    case NPUC_KV_BF16: dec_values_g64(p, ps, NR, v, vrb, NPUC_KV_BF16, n, acc); return;                       \
+    case NPUC_KV_F16: dec_values_g64(p, ps, NR, v, vrb, NPUC_KV_F16, n, acc); return;                         \
+    default: dec_values_g64(p, ps, NR, v, vrb, NPUC_KV_I8, n, acc); return;                                   \
+    }
+    if (nr == 2) DEC_VG_KINDS(2)
+    if (nr == 3) DEC_VG_KINDS(3)
+    DEC_VG_KINDS(4)
+#undef DEC_VG_KINDS
+}
+#endif
+
 /* The two above for a run-time layout: each case inlines its own copy. */
 static void dec_scores1_any(const float *qf, const char *k, i64 krb, int kind, i64 D, i64 n, float scale,
                             float *sc) {
@@ -1390,7 +1444,14 @@ static void dec_chunk(const void *p, i64 c, int tid) {
             }
             l[rr] += exp_sum(row, seen, m[rr]);
         }
-        if (fast) {
+        int vshared = 0;
+#ifdef NPUC_AVX512
+        /* the same block's values: each value row loaded once for its 2-4 rows (AVX-512: 16 zmm) */
+        vshared = fast && DV == 64 && nr >= 2 && nr <= 4;
+        for (i64 rr = 0; rr < nr && vshared; rr++) vshared = n[rr] - t0 >= nt;
+        if (vshared) dec_values_g64_any(sc, j->T, (int)nr, vb + t0 * j->vrb, j->vrb, j->kind, nt, acc);
+#endif
+        if (fast && !vshared) {
 #ifdef NPUC_AVX2
             for (i64 rr = 0; rr < nr; rr++) {
                 i64 seen = n[rr] - t0 < nt ? n[rr] - t0 : nt;
@@ -1398,7 +1459,7 @@ static void dec_chunk(const void *p, i64 c, int tid) {
                                               acc + rr * DV);
             }
 #endif
-        } else {
+        } else if (!fast) {
             for (i64 t = 0; t < nt; t++) {
                 const char *row = vb + (t0 + t) * j->vrb;
                 const float *vf = (const float *)row;
