@@ -19,7 +19,8 @@ import pytest
 import torch
 from hf_models import COMMON, prefill_vs_hf
 
-from npuc.apps.generate import generation_info
+import npuc
+from npuc.apps.generate import generation_info, steps
 from npuc.compiler.driver import compile_model
 from npuc.compiler.precheck import precheck
 from npuc.runtime import Session
@@ -82,12 +83,12 @@ def compiled(checkpoints: Callable[[str], Path], tmp_path_factory: pytest.TempPa
     root = tmp_path_factory.mktemp("rope_om")
     done: dict[tuple[str, int, int], str] = {}
 
-    def get(kind: str, prefill: int = PREFILL, max_seq_len: int = MAX) -> Session:
+    def get(kind: str, prefill: int = PREFILL, max_seq_len: int = MAX, executor: str = "torch") -> Any:
         key = (kind, prefill, max_seq_len)
         if key not in done:
             done[key] = compile_model(str(checkpoints(kind)), input_shape=f"input_ids:1,{prefill}",
                                       output=str(root / f"{kind}_{prefill}_{max_seq_len}"), max_seq_len=max_seq_len)
-        return Session.load(done[key])
+        return Session.load(done[key]) if executor == "torch" else npuc.load(done[key])
 
     return get
 
@@ -212,6 +213,20 @@ def test_the_table_is_transformers_rotation_at_every_position(kind: str, checkpo
     assert torch.equal(want_cos[:, :half], want_cos[:, half:])  # rotate_half's: the table holds one half
     assert float((cos[:MAX] - want_cos[:, :half]).abs().max()) < 1e-6
     assert float((sin[:MAX] - want_sin[:, :half]).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_the_c_executor_generates_transformers_tokens(kind: str, checkpoints: Callable[[str], Path],
+                                                      compiled: Callable[..., Any]) -> None:
+    """`npuc generate`'s own path: libnpucrt runs the same tables, greedy from the long prompt
+    to the last position."""
+    sess = compiled(kind, executor="native")
+    assert type(sess).__name__ == "NativeSession"
+    prompt = _prompt(PREFILL, seed=4)
+    tokens, logits = (_hf_steps if kind == "dynamic" else _hf_generate)(_hf(checkpoints(kind)), prompt, MAX - PREFILL)
+    got = list(steps(sess, prompt, MAX - PREFILL, ignore_eos=True))
+    assert [t for t, _ in got] == tokens
+    assert max(float((torch.as_tensor(g) - w).abs().max()) for (_, g), w in zip(got, logits, strict=True)) < TOL
 
 
 def test_longrope_within_the_original_context_is_short_factor(compiled: Callable[..., Session],
