@@ -36,8 +36,10 @@ transformers rotates a forward of its length):
 transformers writes its update as a Python branch on a tensor (dynamic's `if seq_len >
 max_seq_len_cached`) and as state set on the module during the forward (its buffer,
 LongRoPE's `long_inv_freq`): torch.export traces neither. While npuc traces, `traceable`
-computes the same frequencies with tensor ops from transformers' own functions and writes
-nothing, so what the module ran before does not matter.
+computes the same frequencies with tensor ops and writes nothing, so what the module ran
+before does not matter: transformers' own frequency functions, except dynamic's base per
+position (`_dynamic_rows`, its formula checked against transformers' at compile time). The
+driver traces under `cache_length` (--max_seq_len), which picks the rows above.
 """
 
 from __future__ import annotations
@@ -113,12 +115,16 @@ def _is_scaled(rope_type: object) -> bool:
     return isinstance(rope_type, str) and (rope_type == "longrope" or "dynamic" in rope_type)
 
 
-@functools.cache
 def _wrapper_code() -> types.CodeType | None:
     """The code of transformers' dynamic_rope_update wrapper: every rotary forward it
     decorates shares it."""
     if "transformers" not in sys.modules:
-        return None  # not loaded: no module of the model comes from it
+        return None  # not loaded (yet): no module of the model comes from it
+    return _loaded_wrapper_code()
+
+
+@functools.cache
+def _loaded_wrapper_code() -> types.CodeType | None:
     try:
         from transformers.modeling_rope_utils import dynamic_rope_update
     except ImportError:
