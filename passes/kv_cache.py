@@ -37,6 +37,15 @@ under the f16 modes), and `npuc info`'s KV bytes per token halve:
     %wk = kv_write(%kv_cache.0.k, cast[dtype=bf16](%k), %position)
     %o_bf16 = cached_attention(cast[dtype=bf16](%q), %wk, %wv, %position)    scores in f32
 
+`--kv_cache_dtype` (`cache_dtype`) declares the key and value states in a dtype of their
+own instead, which the precision pass keeps: f32, bf16, f16, or packed int8 rows of d + 4
+bytes (an f32 scale per head and token, then d codes; ir/fused_ops.py). kv_write quantizes
+the f32 rows it writes, and decode's attention reads them as they are:
+
+    state %kv_cache.0.k : i8[1,2,64,20]                                     head dim 16
+    %wk = kv_write(%kv_cache.0.k, %k : f32[1,2,1,16], %position)
+    %o = cached_attention(%q, %wk, %wv, %position)                          f32 result
+
 RoPE moves with the token: every `rope_lut` reads its rows at the program's positions
 from tables that cover 0..max_seq_len-1 (`tables`, taken from the same model traced at
 that length; each program's own rows must agree with them, which also picks the table
