@@ -83,6 +83,8 @@ float rt_load_f(const void *p, int dtype, int64_t i) {
     if (dtype == NPUC_F64) return (float)((const double *)p)[i];
     return 0.0f;
 }
+/* kernels.c's f16 KV store needs it; no MLA or MoE op here writes f16, so reaching it is a harness bug. */
+uint16_t rt_f32_to_f16(float f) { (void)f; abort(); }
 static int dsize(int d) { static const int z[] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1}; return z[d]; }
 
 static void view(rt_view *v, int dtype, int rank, const int64_t *shape) {
