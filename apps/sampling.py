@@ -185,10 +185,73 @@ class TokenChooser:
             token = int(self._token.value)
             if self.matcher is not None:
                 self.matcher.consume(token)
+        self.record(token)
+        return token
+
+    def record(self, token: int) -> None:
+        """`token` is the next output token (what the penalties and the next draw's index read)."""
         if self.n_out < len(self._out):
             self._out[self.n_out] = token
         self.n_out += 1
-        return token
+
+    def probabilities(self, row: Any) -> np.ndarray:
+        """The distribution the next draw takes its token from (npuc_sample_probs): every id's
+        probability after the penalties, temperature and filters."""
+        assert self._lib is not None
+        x = host_row(row)
+        if self._work is None:
+            self._work = np.empty(self._lib.npuc_sample_work_bytes(self.vocab), dtype=np.uint8)
+        v = min(self.vocab, x.shape[-1])
+        out = np.empty(v, dtype=np.float32)
+        rc = _probs_function(self._lib)(x.ctypes.data, v, ctypes.byref(self._arm()), self._prompt.ctypes.data,
+                                        len(self._prompt), self._out.ctypes.data, self.n_out, self._work.ctypes.data,
+                                        self._work.nbytes, out.ctypes.data, ctypes.byref(self._err))
+        if rc:
+            self._raise(self._err, rc)
+        return out
+
+
+# Seeds of the two draws a drafted token's check makes (verify): the accept test and the
+# residual draw, apart from the plain draw's stream (the seed itself) and from each other.
+_ACCEPT_SALT, _RESIDUAL_SALT = 0x5DEECE66D5A17C3B, 0x2545F4914F6CDD1D
+
+
+def _probs_function(lib: Any) -> Any:
+    f = lib.npuc_sample_probs
+    if f.argtypes is None:
+        P = ctypes.c_void_p
+        f.argtypes = [P, ctypes.c_int64, P, P, ctypes.c_int32, P, ctypes.c_int32, P, ctypes.c_size_t, P, P]
+        f.restype = ctypes.c_int
+    return f
+
+
+def _walk(p: np.ndarray, target: float) -> int:
+    """The id where the running sum of p passes target (the last id with mass, past the end)."""
+    at = int(np.searchsorted(np.cumsum(p, dtype=np.float64), target, side="right"))
+    return at if at < len(p) else int(np.flatnonzero(p)[-1])
+
+
+def verify_draft(chooser: TokenChooser, row: Any, draft: int) -> int:
+    """The next token, given a drafted one (speculative decoding): a deterministic choice
+    (greedy, temperature 0) as it is; a sampled one keeps the draft with probability p(draft)
+    and otherwise draws from p without it, renormalised. With a draft of one token (a point
+    mass) that is standard rejection sampling: the token's distribution is p's, whatever the
+    draft. Records the token as chooser(row) does."""
+    if chooser._lib is None or chooser.params.temperature == 0 or chooser.matcher is not None:
+        return chooser(row)
+    p = chooser.probabilities(row).astype(np.float64)
+    seed = chooser._c.seed
+    lib = chooser._lib
+    if 0 <= draft < len(p) and lib.npuc_sample_uniform((seed ^ _ACCEPT_SALT) % 2**64, chooser.n_out) < p[draft]:
+        token = draft
+    else:
+        if 0 <= draft < len(p):
+            p[draft] = 0.0
+        total = p.sum()
+        u = lib.npuc_sample_uniform((seed ^ _RESIDUAL_SALT) % 2**64, chooser.n_out)
+        token = _walk(p, u * total) if total > 0 else draft
+    chooser.record(token)
+    return token
 
 
 def token_logprobs(row: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -31,6 +31,7 @@ the ones it gets decoded alone: greedy, or sampled under its own parameters
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,7 +39,15 @@ from typing import Any
 import numpy as np
 
 from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info, logits_f32
-from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs
+from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
+from npuc.apps.speculative import (
+    VERIFY,
+    NgramIndex,
+    RequestSpeculation,
+    SpeculationStats,
+    SpeculativeConfig,
+    StepTimes,
+)
 from npuc.errors import EXIT_USAGE, NpucError
 
 SLOT = "slot"
@@ -61,6 +70,7 @@ class Request:
     slot: int = -1
     pos: int = 0  # the position the next fed token is written at
     feed: list[int] = field(default_factory=list)  # tokens to feed: the prompt's rest, then the last chosen
+    spec: RequestSpeculation | None = None  # its drafter, where the model has a verify program
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class Event:
 
 
 class Scheduler:
-    def __init__(self, s: Any, keep_logits: bool = False) -> None:
+    def __init__(self, s: Any, keep_logits: bool = False, speculative: SpeculativeConfig | None = None) -> None:
         self.session = s
         self.info: GenerationInfo = generation_info(s)
         decode = s.programs["decode"]
@@ -103,6 +113,18 @@ class Scheduler:
         self._ids_counter = itertools.count()
         self.requests: dict[int, Request] = {}
         self._grammar_tokenizer: Any = None  # apps/structured.GrammarTokenizer, built on first need
+        # Speculative decoding (apps/speculative.py): where the model has a verify program
+        self.speculative = speculative or SpeculativeConfig()
+        self.speculative.check()
+        self.stats = SpeculationStats()
+        self._times = StepTimes()
+        verify = s.programs.get(VERIFY) if hasattr(s.programs, "get") else None
+        self._vrows = next(t.shape[1] for t in verify.inputs if t.name == self._ids_name) if verify else 0
+        self._spec_on = self._vrows > 1 and self.speculative.method != "off" and not self.info.recurrent
+        self._k = min(self.speculative.tokens or self._vrows - 1, self._vrows - 1)
+        self._vids = np.zeros((self.slots, self._vrows), dtype=np.int64)
+        self._vpos = np.zeros((self.slots, self._vrows), dtype=np.int64)
+        self._drafts: dict[int, list[int]] = {}
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's view of the model's stored tokenizer (NPUC-E0126 without one)."""
@@ -159,6 +181,9 @@ class Scheduler:
             chooser = TokenChooser(q, prompt, max_new_tokens, self.info.vocab, self.info.eos, matcher)
             r = Request(next(self._ids_counter), prompt, max_new_tokens, ignore_eos, chooser, logprobs,
                         prompt_logprobs, leader=group[0] if group else None)
+            if self._spec_on and matcher is None:
+                r.spec = RequestSpeculation(NgramIndex(self.speculative.ngram_min, self.speculative.ngram_max))
+                r.spec.index.extend(prompt)
             self.requests[r.id] = r
             group.append(r)
         group[0].siblings = group[1:]
@@ -210,22 +235,32 @@ class Scheduler:
             self._admit(lead, taken[0], events, taken[1:])
         if not self.active:
             return events
-        c = self.tokens
-        pos = self._pos.reshape(self.slots, c)
+        program = self._plan()
+        c = self._vrows if program == VERIFY else self.tokens
+        ids, pos_in = (self._vids, self._vpos) if program == VERIFY else (self._ids, self._pos)
+        pos = pos_in.reshape(self.slots, c)
         for k, r in enumerate(self._running):
-            # up to C tokens of the slot's feed; the rest of its C rows repeat the last (token,
-            # position), which writes the same key and value again: a no-op on the cache. A
-            # prompt scored through decode steps that give only their last row goes 1 a step.
+            # up to C tokens of the slot's feed (and its drafts, on a verify step); the rest of
+            # its C rows repeat the last (token, position), which writes the same key and value
+            # again: a no-op on the cache. A prompt scored through decode steps that give only
+            # their last row goes 1 a step.
             n = min(c, len(r.feed)) if r is not None else 1
-            if r is not None and r.prompt_logprobs and self._decode_rows != c and r.pos < len(r.prompt):
+            if r is not None and r.prompt_logprobs and self._decode_rows != c and r.pos < len(r.prompt) \
+                    and program != VERIFY:
                 n = 1
+            seq = [*r.feed[:n], *self._drafts.get(k, ())] if r is not None else [0]
             for i in range(c):
-                j = min(i, n - 1)
-                self._ids[k, i] = r.feed[j] if r is not None else 0
+                j = min(i, len(seq) - 1)
+                ids[k, i] = seq[j]
                 pos[k, i] = r.pos + j if r is not None else 0
             self._fed[k] = n
-        logits = logits_f32(self.session.run({self._ids_name: self._ids, self._pos_name: self._pos}, "decode",
-                                             copy_outputs=False)["logits"])
+        start = time.perf_counter()
+        out = self.session.run({self._ids_name: ids, self._pos_name: pos_in}, program, copy_outputs=False)
+        logits = logits_f32(out["logits"])
+        self._times.add(program, time.perf_counter() - start)
+        self.stats.steps += 1
+        self.stats.verify_steps += program == VERIFY
+        every_row = logits.shape[1] == c
         for k, r in enumerate(self._running):
             if r is None:
                 continue
@@ -233,13 +268,75 @@ class Scheduler:
             if r.prompt_logprobs:  # row i scores the token after the one fed at position r.pos + i
                 for i in range(n):
                     if r.pos + i + 1 < len(r.prompt):
-                        row = logits[k, i if logits.shape[1] == c else -1]
+                        row = logits[k, i if every_row else -1]
                         r.prompt_lp.append(token_logprobs(row, r.prompt[r.pos + i + 1], r.logprobs))
             del r.feed[:n]
             r.pos += n
-            if not r.feed:
-                self._choose(r, logits[k, n - 1 if logits.shape[1] == c else -1], events)
+            if r.feed:
+                continue
+            before = len(r.tokens)
+            drafts = self._drafts.get(k)
+            if drafts:
+                self._check_drafts(r, logits[k], drafts, events)
+            else:
+                self._choose(r, logits[k, n - 1 if every_row else -1], events)
+            self.stats.tokens += len(r.tokens) - before
+        self._drafts.clear()
         return events
+
+    def _plan(self) -> str:
+        """The program of this step: verify (with each decoding slot's drafts in self._drafts)
+        where it is expected to give more tokens a second than plain decode, else decode."""
+        if not self._spec_on:
+            return "decode"
+        info, k_max = self.info, self._k
+        plain = speculated = 0.0
+        drafts: dict[int, list[int]] = {}
+        for k, r in enumerate(self._running):
+            if r is None:
+                continue
+            if len(r.feed) != 1 or r.spec is None or (r.prompt_logprobs and r.pos < len(r.prompt)):
+                plain += min(self.tokens, len(r.feed))  # a prompt's tokens fed a step
+                speculated += min(self._vrows, len(r.feed))
+                continue
+            room = min(k_max, r.max_new_tokens - len(r.tokens) - 1, info.max_seq_len - 1 - r.pos)
+            d = r.spec.index.draft(room) if room > 0 else []
+            plain += 1
+            speculated += 1 + (r.spec.expected(len(d)) if d else 0.0)
+            if d:
+                drafts[k] = d
+        probe = bool(drafts) and self._times.since_verify >= self._times.PROBE_EVERY
+        if not probe and (speculated <= plain
+                          or speculated / self._times.ratio() < plain * self.speculative.min_gain):
+            for k, d in drafts.items():  # checked against the token the step chooses (acceptance)
+                spec = self._running[k].spec  # type: ignore[union-attr]
+                assert spec is not None
+                spec.shadow = d[:1]
+            return "decode"
+        self._drafts = drafts
+        return VERIFY
+
+    def _check_drafts(self, r: Request, rows: Any, drafts: list[int], events: list[Event]) -> None:
+        """Row 0 chose the token after the slot's last; row i + 1's logits hold while the token
+        row i chose is draft i (fed at the next position). Stops at the first that is not, or
+        where the request ends."""
+        spec = r.spec
+        assert spec is not None
+        for i in range(len(drafts) + 1):
+            draft = drafts[i] if i < len(drafts) else None
+            self._choose(r, rows[i], events, draft)
+            if r.finish_reason is not None or draft is None:
+                return
+            self.stats.drafted += 1
+            spec.drafted += 1
+            ok = r.tokens[-1] == draft
+            spec.observe(ok)
+            if not ok:
+                return
+            self.stats.accepted += 1
+            spec.accepted += 1
+            r.feed.pop()  # the draft is in the cache at r.pos already (row i + 1 fed it)
+            r.pos += 1
 
     def _admit(self, r: Request, k: int, events: list[Event], sibling_slots: list[int] | None = None) -> None:
         info = self.info
@@ -278,7 +375,7 @@ class Scheduler:
             if not q.feed:
                 self._choose(q, logits, events)
 
-    def _choose(self, r: Request, logits: Any, events: list[Event]) -> None:
+    def _choose(self, r: Request, logits: Any, events: list[Event], draft: int | None = None) -> None:
         first = not r.tokens
         prompt_lp = [None, *r.prompt_lp] if r.prompt_logprobs and first else None
         if r.max_new_tokens == 0:  # the prompt scored, nothing generated
@@ -286,8 +383,16 @@ class Scheduler:
             self._running[r.slot] = None
             events.append(Event(r.id, None, r.finish_reason, prompt_logprobs=prompt_lp))
             return
-        token = r.chooser(logits) if r.chooser is not None else int(logits.argmax())
+        if r.chooser is None:
+            token = int(logits.argmax())
+        else:
+            token = verify_draft(r.chooser, logits, draft) if draft is not None else r.chooser(logits)
         r.tokens.append(token)
+        if r.spec is not None:
+            r.spec.index.extend([token])
+            if r.spec.shadow:  # the draft a plain step did not check: was it right?
+                r.spec.observe(token == r.spec.shadow[0])
+                r.spec.shadow = []
         constrained = r.chooser is not None and r.chooser.matcher is not None
         if (token in self.info.eos and (not r.ignore_eos or constrained)) or (
                 r.chooser is not None and token in r.chooser.params.stop_token_ids):
@@ -305,11 +410,15 @@ class Scheduler:
 
 
 def generate_many(s: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
-                  sampling: SamplingParams = GREEDY) -> list[list[int]]:
+                  sampling: SamplingParams = GREEDY, speculative: SpeculativeConfig | None = None,
+                  stats: SpeculationStats | None = None) -> list[list[int]]:
     """The tokens of each prompt (greedy, or sampled under the same parameters: with a seed S,
     prompt i draws with seed S + i, so that two equal prompts get their own samples),
-    decoded over the model's slots together."""
-    sched = Scheduler(s)
+    decoded over the model's slots together. `speculative`: how to draft where the model has a
+    verify program; `stats` receives the steps' counts."""
+    sched = Scheduler(s, speculative=speculative)
+    if stats is not None:
+        sched.stats = stats
     for p in prompts:
         sched.check(list(p), max_new_tokens)  # every prompt before any runs
     seeded = [sampling if sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)

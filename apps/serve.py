@@ -794,6 +794,19 @@ def build(om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | 
                  f"npuc_generated_tokens_total {m.tokens}",
                  "# HELP npuc_requests_total Requests ended, by how.", "# TYPE npuc_requests_total counter"]
         lines += [f'npuc_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(m.requests.items())]
+        sp = engine.sched.stats  # speculative decoding (apps/speculative.py)
+        lines += ["# HELP npuc_decode_steps_total Decode steps run (decode or verify).",
+                  "# TYPE npuc_decode_steps_total counter", f"npuc_decode_steps_total {sp.steps}",
+                  "# HELP npuc_verify_steps_total Steps that checked drafted tokens.",
+                  "# TYPE npuc_verify_steps_total counter", f"npuc_verify_steps_total {sp.verify_steps}",
+                  "# HELP npuc_draft_tokens_total Drafted tokens checked.", "# TYPE npuc_draft_tokens_total counter",
+                  f"npuc_draft_tokens_total {sp.drafted}",
+                  "# HELP npuc_draft_accepted_tokens_total Drafted tokens accepted.",
+                  "# TYPE npuc_draft_accepted_tokens_total counter", f"npuc_draft_accepted_tokens_total {sp.accepted}",
+                  "# HELP npuc_draft_acceptance_rate Accepted over checked drafted tokens.",
+                  "# TYPE npuc_draft_acceptance_rate gauge", f"npuc_draft_acceptance_rate {sp.acceptance:.4f}",
+                  "# HELP npuc_tokens_per_step Tokens a decode step gave, on average.",
+                  "# TYPE npuc_tokens_per_step gauge", f"npuc_tokens_per_step {sp.tokens_per_step:.4f}"]
         lines += m.ttft.render() + m.itl.render()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -3,7 +3,9 @@
 The schedule is each graph's node order. Regions:
 - weights: every constant, once for all programs (shared by name when the same file
   tensor, folding or bytes), read-only and memory-mapped;
-- state: the KV cache, once for all programs, persistent across runs;
+- state: the KV cache, once for all programs, persistent across runs; with
+  `option.prefix_cache` P in the metadata (--prefix_cache), after it a pool of P prompt
+  prefixes, each every cache's rows of one slot (`prefix_pool_states`);
 - arena: each program's inputs, outputs and intermediates at the offsets the memory
   planner chose; programs never run at once, so the runtime allocates the largest.
 A view (a reshape, or a transpose or slice that keeps the bytes in place: `is_view`) shares its operand's buffer and an in-place op (kv_write) its state's,
@@ -21,12 +23,13 @@ from typing import Any, overload
 
 from npuc.backend.memory_plan import Buffer, Plan, align_up, plan_memory, validate_plan
 from npuc.backend.om_format import FileRange
-from npuc.backend.om_schema import AttrValue, ModelDef
+from npuc.backend.om_schema import PREFIX_POOL, AttrValue, ModelDef, pool_tensor_name, prefix_pool_value
 from npuc.backend.targets import Target
-from npuc.errors import InternalError
+from npuc.errors import EXIT_UNSUPPORTED, InternalError, NpucError
 from npuc.ir import DType, Graph, Node, Value, get_op
 from npuc.ir.evaluate import LazyFoldSource
 from npuc.ir.graph import byte_view
+from npuc.passes.recurrent_state import STATE_PREFIXES
 
 
 @dataclass
@@ -36,7 +39,9 @@ class Lowered:
     weight_offsets: list[int]
     weights_bytes: int
     plans: list[Plan]  # one per program
-    state_bytes: int = 0
+    state_bytes: int = 0  # the prefix pool's included
+    prefix_entries: int = 0  # --prefix_cache's pool: entries, and their bytes
+    prefix_pool_bytes: int = 0
 
     @property
     def plan(self) -> Plan:
@@ -211,14 +216,58 @@ def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, s
                 state_cursor += st.type.nbytes
             index[pi][id(st)] = states[st.name][0]
 
+    # The prefix pool: after the states, each positional state's rows of `entries` sequences.
+    meta = dict(metadata or {})
+    entries, pool_bytes = int(meta.get("option.prefix_cache") or 0), 0
+    if entries:
+        positional = prefix_pool_states(gs)
+        for name, _ in positional:
+            t = states[name][1].type
+            state_cursor = align_up(state_cursor, target.alignment)
+            nbytes = t.nbytes // t.shape[0] * entries
+            model.tensors.add(name=pool_tensor_name(name), dtype=t.dtype.value, shape=[entries, *t.shape[1:]],
+                              region="state", offset=state_cursor, nbytes=nbytes, format=t.format)
+            state_cursor += nbytes
+            pool_bytes += nbytes
+        meta[PREFIX_POOL] = prefix_pool_value(positional)
+
     plans = []
     for pi, g in enumerate(gs):
         plans.append(_lower_program(model, g, index[pi], target))
     model.weights_bytes = weights_bytes
     model.state_bytes = state_cursor
-    for k in sorted(metadata or {}):
-        model.metadata.add(key=k, value=(metadata or {})[k])
-    return Lowered(model, weights, offsets, weights_bytes, plans, state_cursor)
+    for k in sorted(meta):
+        model.metadata.add(key=k, value=meta[k])
+    return Lowered(model, weights, offsets, weights_bytes, plans, state_cursor, entries, pool_bytes)
+
+
+# The axis of its cache operand a cached write indexes by position (ir/fused_ops.py's kv_write:
+# cache [slots, heads, positions, d]).
+_POSITION_AXIS = {"kv_write": 2}
+
+
+def prefix_pool_states(graphs: Sequence[Graph]) -> list[tuple[str, int]]:
+    """(name, position axis) of every state of `graphs`, for a prefix pool (--prefix_cache): a
+    KV, latent or conv cache, which its program's kv_write fills by position, so that positions
+    0..n-1 of a slot are a prompt prefix of n tokens. A state kept per slot with no axis of
+    positions (a recurrence's state, a conv window: passes/recurrent_state.py) holds the
+    sequence up to its last token only, and cannot be restored at any other: refused
+    (NPUC-E0123). Called by `lower` with option.prefix_cache in its metadata."""
+    axes: dict[str, int] = {}
+    for g in graphs:
+        for name, st in g.states.items():
+            users = st.users()
+            axis = _POSITION_AXIS.get(users[0].op) if len(users) == 1 and st.uses[0][1] == 0 else None
+            if name.startswith(STATE_PREFIXES) or axis is None:
+                raise NpucError("NPUC-E0123", f"--prefix_cache: state {name} holds each slot's sequence as of its "
+                                "last token, not a row per position: a prefix of it cannot be restored",
+                                "compile without --prefix_cache (prefix reuse needs every state to cache by "
+                                "position: attention and conv caches)", exit_code=EXIT_UNSUPPORTED)
+            axes.setdefault(name, axis)
+    if not axes:
+        raise NpucError("NPUC-E0123", "--prefix_cache: the model caches nothing by position",
+                        "compile it with --max_seq_len N, or without --prefix_cache", exit_code=EXIT_UNSUPPORTED)
+    return list(axes.items())
 
 
 def _lower_program(model: Any, g: Graph, index: dict[int, int], target: Target) -> Plan:

@@ -139,3 +139,30 @@ def proto_text() -> str:
             lines.append(f"  {pre}{t} {fname} = {num};")
         lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+# The prefix pool (--prefix_cache; backend/lower.py writes it, docs/om-format.md): metadata
+# `prefix_pool` names each state cached by position and the axis of its positions,
+# "kv_cache.0.k:2,kv_cache.0.v:2,..."; each has a pool tensor "prefix_pool.<state>" in the
+# state region, [entries, *the state's shape[1:]], which no program uses.
+PREFIX_POOL = "prefix_pool"
+
+
+def pool_tensor_name(state: str) -> str:
+    return f"{PREFIX_POOL}.{state}"
+
+
+def prefix_pool_value(states: list[tuple[str, int]]) -> str:
+    return ",".join(f"{name}:{axis}" for name, axis in states)
+
+
+def parse_prefix_pool(value: str) -> list[tuple[str, int]] | None:
+    """(state, position axis) of each entry of metadata `prefix_pool`; None where it is not a
+    list of distinct `name:axis` (axis one or two ASCII digits; the name up to the last colon)."""
+    out = []
+    for item in value.split(","):
+        name, colon, axis = item.rpartition(":")
+        if not name or not colon or not 1 <= len(axis) <= 2 or not all("0" <= c <= "9" for c in axis):
+            return None
+        out.append((name, int(axis)))
+    return out if len({n for n, _ in out}) == len(out) else None

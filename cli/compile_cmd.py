@@ -131,6 +131,13 @@ _MODEL_OPTIONS = [
                  help="With --max_seq_len: the tokens of each slot a decode step runs (default 1). C > 1 lets a "
                       "new request's prompt go through the decode steps beside the slots decoding (chunked "
                       "prefill, `npuc serve`)."),
+    click.option("--speculative_tokens", "--speculative-tokens", "speculative_tokens", type=int, default=None,
+                 metavar="K",
+                 help="With --max_seq_len: also emit a `verify` program of K + 1 tokens of each slot, for "
+                      "speculative decoding (n-gram, or a draft model) and prompt chunks after a prefix-cache hit."),
+    click.option("--prefix_cache", "--prefix-cache", "prefix_cache", type=int, default=None, metavar="P",
+                 help="With --max_seq_len: keep up to P prompt prefixes' KV in the state region, for `npuc serve` "
+                      "to reuse across requests (each up to --max_seq_len positions)."),
     click.option("--kv_cache_dtype", "--kv-cache-dtype", "kv_cache_dtype", default=None,
                  metavar="auto|f32|bf16|f16|int8",
                  help="With --max_seq_len: the KV cache's dtype. auto (default) follows --precision_mode (f32, or "
@@ -218,7 +225,8 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
     common = dict(input_shape=opts["input_shape"], soc_version=opts["soc_version"],
                   precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
                   max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"],
-                  decode_tokens=opts["decode_tokens"], out_nodes=opts["out_nodes"],
+                  decode_tokens=opts["decode_tokens"], speculative_tokens=opts["speculative_tokens"],
+                  prefix_cache=opts["prefix_cache"], out_nodes=opts["out_nodes"],
                   input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
                   quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"],
                   kv_cache_dtype=opts["kv_cache_dtype"], trust_pickle=opts["trust_pickle"])

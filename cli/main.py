@@ -230,6 +230,15 @@ def _parse_ids(text: str) -> list[int]:
               show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
               help="Sample reproducibly (prompt i with seed S + i); without it, a random seed.")
+@click.option("--speculative", type=click.Choice(["ngram", "off"]), default="ngram", show_default=True,
+              help="Speculative decoding where the .om has a verify program (--speculative_tokens): n-gram prompt "
+                   "lookup, switched off by itself while its drafts are not accepted.")
+@click.option("--ngram-max", "--ngram_max", "ngram_max", type=click.IntRange(1, 32), default=4, show_default=True,
+              help="The longest suffix the n-gram drafter looks up.")
+@click.option("--ngram-min", "--ngram_min", "ngram_min", type=click.IntRange(1, 32), default=2, show_default=True,
+              help="The shortest suffix the n-gram drafter looks up.")
+@click.option("--stats", is_flag=True, help="Print the decode steps' counts (steps, drafted and accepted tokens, "
+                                             "tokens per step) to stderr as JSON.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
 @click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
               help="Run a model compiled with --tp N as N local ranks (what torchrun --nproc-per-node N does).")
@@ -238,6 +247,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prompts_file: str | None,
              max_new_tokens: int, ignore_eos: bool, temperature: float, top_p: float, top_k: int, min_p: float,
              repetition_penalty: float, presence_penalty: float, frequency_penalty: float, seed: int | None,
+             speculative: str, ngram_max: int, ngram_min: int, stats: bool,
              device: str, tp: int | None, debug: bool) -> None:
     """Decoding with a .om compiled with --max_seq_len: greedy, or sampled (--temperature
     above 0, and the filters and penalties; docs/serving.md). One prompt: prints the new
@@ -248,6 +258,7 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     from npuc.apps.sampling import SamplingParams
     from npuc.apps.sampling import check as check_sampling
     from npuc.apps.scheduler import generate_many
+    from npuc.apps.speculative import SpeculationStats, SpeculativeConfig
     from npuc.runtime.executor import open_session
 
     if tp is not None and tp > 1 and "WORLD_SIZE" not in os.environ:
@@ -270,7 +281,12 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     if parallel is not None:
         ids, sampling = parallel.share((ids, sampling))  # rank 0's; every rank runs the same steps
     check_sampling(sampling, generation_info(sess).vocab)
-    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling)
+    spec = SpeculativeConfig(method=speculative, ngram_min=ngram_min, ngram_max=ngram_max)
+    spec.check()
+    counts = SpeculationStats()
+    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling, spec, counts)
+    if stats and leader:
+        click.echo(json.dumps(counts.as_dict()), err=True)
     if parallel is not None:
         parallel.finish()
     if not leader:

@@ -37,6 +37,9 @@ def render_plan(path: str, plans: list[Any], device_gib: float | None) -> str:
     lines += ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths,
                                                                                               strict=True)))
               for r in rows]
+    pool = max(p.prefix_pool_bytes for p in plans)
+    if pool:
+        lines.append(f"of the KV cache: a prefix pool of {_gib(pool)} (--prefix_cache)")
     worst = max(p.total_bytes for p in plans)
     total_weights = sum(p.weights_bytes for p in plans) - (len(plans) - 1) * plans[0].replicated_bytes
     lines.append(f"weights over all ranks: {_gib(total_weights)} (the replicated part counted once); "
@@ -53,6 +56,8 @@ def render_plan(path: str, plans: list[Any], device_gib: float | None) -> str:
 @click.argument("model")
 @click.option("--input_shape", "--input-shape", "input_shape", required=True, metavar='"NAME:D0,D1;..."')
 @click.option("--max_seq_len", "--max-seq-len", "max_seq_len", type=int, default=None, metavar="N")
+@click.option("--prefix_cache", "--prefix-cache", "prefix_cache", type=int, default=None, metavar="P",
+              help="With --max_seq_len: a pool of P prompt prefixes in the state (as npuc compile's).")
 @click.option("--tp", "tp", type=int, default=None, metavar="N", help="Ranks (tensor parallel).")
 @click.option("--ep", "ep", type=int, default=None, metavar="N", help="--ep N: experts split across the ranks.")
 @click.option("--quant_type", "--quant-type", "quant_type", default=None, metavar="w8a16|w4a16")
@@ -65,9 +70,9 @@ def render_plan(path: str, plans: list[Any], device_gib: float | None) -> str:
               type=click.Choice(["text", "json"]))
 @click.option("--debug", is_flag=True)
 @handle_errors
-def plan_cmd(model: str, input_shape: str, max_seq_len: int | None, tp: int | None, ep: int | None,
-             quant_type: str | None, group_size: int | None, soc_version: str | None, device_gib: float | None,
-             json_out: str | None, diagnostics_format: str, debug: bool) -> None:
+def plan_cmd(model: str, input_shape: str, max_seq_len: int | None, prefix_cache: int | None, tp: int | None,
+             ep: int | None, quant_type: str | None, group_size: int | None, soc_version: str | None,
+             device_gib: float | None, json_out: str | None, diagnostics_format: str, debug: bool) -> None:
     """Plan MODEL (a checkpoint, or its config.json alone) over --tp ranks: each rank's
     weights, arena, KV cache and collective traffic, and whether it fits; writes no .om."""
     setup("warning", diagnostics_format)
@@ -78,7 +83,8 @@ def plan_cmd(model: str, input_shape: str, max_seq_len: int | None, tp: int | No
         raise NpucError("NPUC-E0124", f"--device-memory {device_gib!r} is not valid", "GiB, above 0",
                         exit_code=EXIT_USAGE)
     plans: list[Any] = []
-    compile_model(model, input_shape=input_shape, output="plan", max_seq_len=max_seq_len, tp=tp, ep=ep,
+    compile_model(model, input_shape=input_shape, output="plan", max_seq_len=max_seq_len,
+                  prefix_cache=prefix_cache, tp=tp, ep=ep,
                   quant_type=quant_type, group_size=group_size, soc_version=soc_version, plan=plans)
     if json_out:
         instrument.ensure_parent(json_out, "--json")

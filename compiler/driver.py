@@ -651,6 +651,8 @@ def compile_model(
     max_seq_len: int | None = None,
     prefill_logits: str | None = None,
     decode_tokens: int | None = None,
+    speculative_tokens: int | None = None,
+    prefix_cache: int | None = None,
     quant_type: str | None = None,
     group_size: int | None = None,
     quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
@@ -683,6 +685,11 @@ def compile_model(
     (32, 64, 128) stores matrix weights as integers (passes/quantize.py); `quant_exclude`
     names weights or nodes to leave as they are (a file, one a line, or a list), and
     `quant_strict` refuses a weight the group does not fit instead of storing it in int8.
+    `speculative_tokens` K (with `max_seq_len`) adds a third program, `verify`: K + 1 tokens
+    of each slot a step, every row's logits (speculative decoding's check of K drafted
+    tokens, and prompt chunks after a prefix-cache hit: apps/speculative.py).
+    `prefix_cache` P (with `max_seq_len`) adds a pool of P prompt prefixes to the state
+    region, each up to max_seq_len positions of every cache (backend/lower.py).
     `kv_cache_dtype` (with `max_seq_len`): the key and value caches' dtype, "auto" (the
     default: the model's, converted with its attention by the precision mode), "f32",
     "bf16", "f16" or "int8" (per head and per token, with scales; docs/precision.md).
@@ -701,6 +708,8 @@ def compile_model(
     mode, keep = check_mode(precision_mode), read_keep_dtype(keep_dtype)
     check_max_seq_len(max_seq_len)
     check_decode_tokens(decode_tokens, max_seq_len)
+    check_speculative_tokens(speculative_tokens, max_seq_len, tp)
+    check_prefix_cache(prefix_cache, max_seq_len, tp)
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
     quant = check_quant(quant_type, group_size)
     exclude = read_keep_dtype(quant_exclude, "--quant_exclude") if quant else frozenset()
@@ -729,10 +738,15 @@ def compile_model(
         graph, decode_graph, tables, source = build_programs(model, input_shape, input_dtypes, max_seq_len,
                                                              trust_pickle=trust_pickle,
                                                              decode_tokens=decode_tokens or 1)
+        if speculative_tokens:  # the decode program again, at K + 1 tokens of each slot
+            verify_graph, verify_tables = build_programs(model, input_shape, input_dtypes, max_seq_len,
+                                                         trust_pickle=trust_pickle,
+                                                         decode_tokens=speculative_tokens + 1)[1:3]
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
                      max_seq_len=max_seq_len, decode_tokens=decode_tokens, soc_version=soc_version,
+                     speculative_tokens=speculative_tokens, prefix_cache=prefix_cache,
                      out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
                      kv_cache_dtype=KV_CACHE_DTYPE_NAMES[kv_dtype] if kv_dtype is not None else None,
@@ -742,10 +756,13 @@ def compile_model(
     extra: dict[str, bytes] = {}
     if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
-        passes, decode_passes = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize,
-                                          kv_dtype)
+        passes, decode_passes, *more = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize,
+                                                 kv_dtype, verify_tables if speculative_tokens else None)
         graph.name = "prefill"
         decode_graph.name = "decode"
+        if speculative_tokens:
+            select_outputs(verify_graph, out_nodes)
+            verify_graph.name, verify_passes = VERIFY, more[0]
         gen_meta, read = _generation_meta(model, max_seq_len)
         meta.update(gen_meta)
         extra, tok_files = _tokenizer_section(model)
@@ -756,6 +773,9 @@ def compile_model(
                                                         sharded.split_pipeline(decode_passes)
                                                         if decode_graph is not None else ([], []))
         tails = [tail, decode_tail] if decode_graph is not None else [tail]
+        if speculative_tokens:
+            verify_passes, verify_tail = sharded.split_pipeline(verify_passes)
+            tails.append(verify_tail)
     if decode_graph is not None and max_seq_len is not None and tables.probe is not None:
         passes = _probe_first(tables.probe, passes, debug)
     progress.stage("optimise", len(passes))
@@ -774,6 +794,10 @@ def compile_model(
         decode_run = instrument.run_pipeline(decode_graph, decode_passes, verify_each=debug,
                                              on_pass=progress.advance)
         graphs.append(decode_run.graph)
+        if speculative_tokens:
+            progress.stage("optimise verify", len(verify_passes))
+            graphs.append(instrument.run_pipeline(verify_graph, verify_passes, verify_each=debug,
+                                                  on_pass=progress.advance).graph)
     if time_passes:
         print(instrument.format_timings(run), file=sys.stderr)
     if report_path is not None:
@@ -869,29 +893,34 @@ def _probe_first(probe: Graph, passes: list[Pass], debug: bool) -> list[Pass]:
 
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
               trace: LongTrace | None = None, prefill_logits: str | None = None,
-              quantize: Quantize | None = None, kv_cache_dtype: DType | None = None) -> list[list[Pass]]:
+              quantize: Quantize | None = None, kv_cache_dtype: DType | None = None,
+              verify: LongTrace | None = None) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
     decode over a KV cache of that many positions (the RoPE tables and attention windows
     from build_programs).
     `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
     last row's logits where the model allows, "last" insists, "all" keeps every row.
-    `kv_cache_dtype` as check_kv_cache_dtype returns it (None: auto)."""
+    `kv_cache_dtype` as check_kv_cache_dtype returns it (None: auto). `verify` (the trace at
+    --speculative_tokens + 1 tokens a step) adds the verify program's passes, a decode's."""
     if max_seq_len is None:
         return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize,
                                  quant_activations=target.quant_activations)]
     cache_len = align_up(max_seq_len, target.matrix_tile)
     last = None if prefill_logits == "all" else LastTokenLogits(required=prefill_logits == "last")
     probe = DecodeProbe()  # prefill's pipeline records it, decode's checks against it
+    programs = [("prefill", 0, trace), ("decode", DECODE_TRACE_POSITION, trace)]
+    if verify is not None:
+        programs.append(("decode", DECODE_TRACE_POSITION, verify))
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
-                             KVCache(role, cache_len, trace.tables, position, trace.windows,
-                                     trace.decode_positions, trace.layers, trace.alibi, trace.slots,
-                                     trace.decode_tokens, kv_cache_dtype) if trace else
+                             KVCache(role, cache_len, t.tables, position, t.windows,
+                                     t.decode_positions, t.layers, t.alibi, t.slots,
+                                     t.decode_tokens, kv_cache_dtype) if t else
                              KVCache(role, cache_len, (), position, cache_dtype=kv_cache_dtype),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,
                              decode_check=DecodeCheck(role, probe,
-                                                      position_ids=bool(trace and trace.decode_positions)))
-            for role, position in (("prefill", 0), ("decode", DECODE_TRACE_POSITION))]
+                                                      position_ids=bool(t and t.decode_positions)))
+            for role, position, t in programs]
 
 
 def check_max_seq_len(max_seq_len: Any) -> None:
@@ -911,6 +940,38 @@ def check_decode_tokens(decode_tokens: Any, max_seq_len: int | None) -> None:
     if max_seq_len is None:
         raise NpucError("NPUC-E0124", "--decode_tokens needs --max_seq_len", "add --max_seq_len N",
                         exit_code=EXIT_USAGE)
+
+
+# The program --speculative_tokens adds (apps/speculative.py runs it).
+VERIFY = "verify"
+MAX_SPECULATIVE_TOKENS = 15
+
+
+def _check_count(flag: str, v: Any, most: int, hint: str, max_seq_len: int | None, tp: Any) -> None:
+    """An option that needs --max_seq_len and no --tp, whose value is an integer 1..most."""
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+        raise NpucError("NPUC-E0124", f"{flag} {v!r} is not an integer from 1 to {most}", hint, exit_code=EXIT_USAGE)
+    if max_seq_len is None:
+        raise NpucError("NPUC-E0124", f"{flag} needs --max_seq_len", "add --max_seq_len N", exit_code=EXIT_USAGE)
+    if tp is not None and tp > 1:
+        raise NpucError("NPUC-E0124", f"{flag} with --tp is not supported yet", "compile without one of them",
+                        exit_code=EXIT_USAGE)
+
+
+def check_speculative_tokens(k: Any, max_seq_len: int | None, tp: Any = None) -> None:
+    _check_count("--speculative_tokens", k, MAX_SPECULATIVE_TOKENS,
+                 "give the drafted tokens a verify step checks, e.g. --speculative_tokens 7", max_seq_len, tp)
+
+
+MAX_PREFIX_CACHE = 1024
+
+
+def check_prefix_cache(n: Any, max_seq_len: int | None, tp: Any = None) -> None:
+    _check_count("--prefix_cache", n, MAX_PREFIX_CACHE,
+                 "give the prompt prefixes to keep, e.g. --prefix_cache 4 (each holds up to --max_seq_len positions "
+                 "of the KV cache: `npuc info` shows the bytes)", max_seq_len, tp)
 
 
 # --kv_cache_dtype's choices: auto (None: the model's dtype, converted by the precision mode)

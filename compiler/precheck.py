@@ -27,6 +27,8 @@ from npuc.compiler.driver import (
     check_kv_cache_dtype,
     check_max_seq_len,
     check_prefill_logits,
+    check_prefix_cache,
+    check_speculative_tokens,
     pipelines,
     read_keep_dtype,
     select_outputs,
@@ -71,7 +73,8 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              input_format: str = "ND", quant_type: str | None = None, group_size: int | None = None,
              quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
              quant_strict: bool = False, trust_pickle: bool = False,
-             decode_tokens: int | None = None, kv_cache_dtype: str | None = None) -> PrecheckReport:
+             decode_tokens: int | None = None, kv_cache_dtype: str | None = None,
+             speculative_tokens: int | None = None, prefix_cache: int | None = None) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -90,6 +93,8 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     keep = attempt("keep_dtype", lambda: read_keep_dtype(keep_dtype), frozenset[str]())
     attempt("max_seq_len", lambda: check_max_seq_len(max_seq_len), None)
     attempt("decode_tokens", lambda: check_decode_tokens(decode_tokens, max_seq_len), None)
+    attempt("speculative_tokens", lambda: check_speculative_tokens(speculative_tokens, max_seq_len), None)
+    attempt("prefix_cache", lambda: check_prefix_cache(prefix_cache, max_seq_len), None)
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
     kv_dtype = attempt("kv_cache_dtype", lambda: check_kv_cache_dtype(kv_cache_dtype, max_seq_len), None)

@@ -80,6 +80,7 @@ class RankPlan:
     # Each program's arena, and the planner's lower bound for it (the most bytes live at once)
     arenas: dict[str, int] = field(default_factory=dict)
     lower_bounds: dict[str, int] = field(default_factory=dict)
+    prefix_pool_bytes: int = 0  # of state_bytes: --prefix_cache's pool
 
     @property
     def total_bytes(self) -> int:
@@ -195,5 +196,5 @@ def _plan(rank: int, programs: Sequence[Graph], low: Lowered, replicated: int, t
     kv = sum(t.nbytes // (t.shape[0] * t.shape[2]) for t in states.values() if t.rank == 4 and t.shape[0] * t.shape[2])
     return RankPlan(rank, low.weights_bytes, replicated, low.arena_bytes, low.state_bytes, kv, wire, colls,
                     target.capacity_bytes, {g.name: p.arena_bytes for g, p in zip(programs, low.plans, strict=True)},
-                    {g.name: p.lower_bound for g, p in zip(programs, low.plans, strict=True)})
+                    {g.name: p.lower_bound for g, p in zip(programs, low.plans, strict=True)}, low.prefix_pool_bytes)
 

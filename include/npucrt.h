@@ -208,10 +208,30 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *samplin
                 int32_t n_prompt, const int64_t *out, int32_t n_out, void *work, size_t work_bytes, int64_t *token,
                 npuc_error *err);
 
+/* The distribution npuc_sample draws the token from (the same filters, in float): probs[vocab]
+ * gets each id's probability, 0 for the ids the filters drop; a greedy choice is one id at 1.
+ * Speculative decoding checks a drafted token against it (apps/speculative.py). */
+int npuc_sample_probs(const float *logits, int64_t vocab, const npuc_sampling *sampling, const int64_t *prompt,
+                      int32_t n_prompt, const int64_t *out, int32_t n_out, void *work, size_t work_bytes, float *probs,
+                      npuc_error *err);
+
 /* Copy slot `from`'s state (its KV cache rows, every position) into slot `to`: one prefill
  * then serves several continuations of the same prompt (n > 1). The copy's next decode step
  * continues where `from` stands. */
 int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error *err);
+
+/* The prefix pool (--prefix_cache P): P entries beside the slots in the state region, each
+ * the first positions of every cache of one sequence (a prompt prefix). entries gets P (0:
+ * no pool), bytes the pool's share of npuc_model_memory's state bytes. Either may be NULL. */
+int npuc_model_prefix_pool(const npuc_model *m, int32_t *entries, uint64_t *bytes, npuc_error *err);
+/* Positions 0..n_positions-1 of every cache of `slot` into pool entry `entry` (n_positions from 1
+ * to max_seq_len; a prefix of n tokens is n positions, whatever the cache's length). */
+int npuc_session_prefix_save(npuc_session *s, int32_t slot, int32_t entry, int64_t n_positions, npuc_error *err);
+/* The reverse: entry `entry`'s first n_positions into `slot`, whose next decode step then
+ * continues at position n_positions (the slot's rows after them are left as they were, and
+ * written before any query reads them). NPUC_E_INPUT (108) for a model without a pool, or an
+ * entry, slot or n_positions out of range. */
+int npuc_session_prefix_load(npuc_session *s, int32_t entry, int32_t slot, int64_t n_positions, npuc_error *err);
 
 /* Called for each generated token: return 0 to go on, non-zero to end that sequence. */
 typedef int (*npuc_token_callback)(void *user, int32_t sequence, int64_t token);

@@ -99,6 +99,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "npuc_decode_step": [P, P, P, P, P, P, E],
         "npuc_sampling_check": [P, I64, E],
         "npuc_session_copy_slot": [P, I32, I32, E],
+        "npuc_model_prefix_pool": [P, ctypes.POINTER(I32), ctypes.POINTER(U64), E],
+        "npuc_session_prefix_save": [P, I32, I32, I64, E],
+        "npuc_session_prefix_load": [P, I32, I32, I64, E],
         "npuc_sample": [P, I64, P, P, I32, P, I32, P, ctypes.c_size_t, P, E],
         "npuc_sampling_process": [P, I64, P, P, I32, P, I32, P, E],
     }
@@ -199,6 +202,9 @@ class NativeSession:
         a, s, w = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         lib.npuc_model_memory(self._model, ctypes.byref(a), ctypes.byref(s), ctypes.byref(w))
         self.arena_bytes, self.state_bytes, self.weights_bytes = a.value, s.value, w.value
+        entries, pool = ctypes.c_int32(), ctypes.c_uint64()
+        lib.npuc_model_prefix_pool(self._model, ctypes.byref(entries), ctypes.byref(pool), None)
+        self._prefix_entries, self.prefix_pool_bytes = entries.value, pool.value
         self._views: dict[str, dict[str, np.ndarray]] = {}
 
     @classmethod
@@ -268,6 +274,28 @@ class NativeSession:
         """Slot src's KV cache into slot dst (n > 1 continuations of one prefill)."""
         err = _Error()
         rc = self.lib.npuc_session_copy_slot(self._session, src, dst, ctypes.byref(err))
+        if rc:
+            _raise(err, rc)
+
+    @property
+    def prefix_entries(self) -> int:
+        """Prompt prefixes the model's pool holds (--prefix_cache; 0: none)."""
+        return self._prefix_entries
+
+    def save_prefix(self, slot: int, entry: int, n: int) -> None:
+        """Positions 0..n-1 of every cache of `slot` into prefix pool entry `entry`."""
+        self._prefix_call(self.lib.npuc_session_prefix_save, slot, entry, n)
+
+    def load_prefix(self, entry: int, slot: int, n: int) -> None:
+        """Positions 0..n-1 of prefix pool entry `entry` into `slot`, whose next decode step
+        continues at position n."""
+        self._prefix_call(self.lib.npuc_session_prefix_load, entry, slot, n)
+
+    def _prefix_call(self, fn: Any, a: int, b: int, n: int) -> None:
+        # out of the C types' range: the same refusal as any other out-of-range value
+        a, b = (max(min(int(x), 2**31 - 1), -(2**31)) for x in (a, b))
+        err = _Error()
+        rc = fn(self._session, a, b, max(min(int(n), 2**63 - 1), -(2**63)), ctypes.byref(err))
         if rc:
             _raise(err, rc)
 

@@ -16,6 +16,9 @@ never in the weights.
     memory      state bytes = the end of the last state tensor; every plan
                 re-validated (lower bound and high-water mark recomputed,
                 each tensor live where used); arena + state under the cap     E0409/E0410
+    prefix pool metadata prefix_pool parses; each state it names has its pool
+                tensor [entries, ...] of its layout, every other state is in
+                it, and no program uses a pool tensor                         E0410/E0411
     metadata    values that the runtime parses (max_seq_len, eos_token_id,
                 programs) parse and lie in range; a prefill + decode pair has
                 a max_seq_len its cache and prefill fit; the tokenizer
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from npuc.backend.memory_plan import Buffer, Plan, validate_plan
+from npuc.backend.om_schema import PREFIX_POOL, parse_prefix_pool, pool_tensor_name
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
 if TYPE_CHECKING:
@@ -101,12 +105,23 @@ def memory_cap() -> int:
 
 
 @dataclass(frozen=True)
+class PrefixPool:
+    """The prefix pool of a valid definition (--prefix_cache): `entries` prefixes, each
+    positions of every state in `states`: (state tensor, its pool tensor, the axis of its
+    positions), tensor indices. `nbytes`: the pool tensors' bytes."""
+    entries: int
+    states: tuple[tuple[int, int, int], ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Checked:
     """What a valid definition adds up to."""
     arena_bytes: int
     state_bytes: int
     buffers: int
     ops_checked: bool = True  # against the registry's schemas (False: torch is not importable here)
+    prefix: PrefixPool | None = None
 
 
 @functools.cache
@@ -136,6 +151,7 @@ def validate_model(path: str, model: Any, weights: Any, tokenizer: bytes | None 
         raise NpucError(E_INVALID, f"{path}: the model needs {arena + model.state_bytes} bytes of arena and "
                         f"state, more than the {cap} this runtime allows",
                         "set NPUC_MAX_MEMORY to allow more, if the file is trusted", exit_code=EXIT_IO)
+    prefix = check_prefix_pool(path, model)
     buffers = 0
     names: set[str] = set()
     registry = registry_available()
@@ -151,7 +167,7 @@ def validate_model(path: str, model: Any, weights: Any, tokenizer: bytes | None 
     check_generation(path, model, meta)
     if tokenizer is not None:
         check_tokenizer(path, tokenizer)
-    return Checked(arena, int(model.state_bytes), buffers, registry)
+    return Checked(arena, int(model.state_bytes), buffers, registry, prefix)
 
 
 def check_structure(path: str, model: Any) -> None:
@@ -166,6 +182,86 @@ def check_structure(path: str, model: Any) -> None:
         wrong = [i for i in refs if not 0 <= i < n]
         if wrong:
             raise bad(E_BOUNDS, f"{path}: program {prog.name!r} refers to tensor {wrong[0]}, but there are {n}")
+
+
+def _prefix_pool_meta(m: Any) -> str | None:
+    return {e.key: e.value for e in m.metadata}.get(PREFIX_POOL)
+
+
+def _first_states(m: Any) -> dict[str, int]:
+    """Name -> index of the first state tensor of that name that is no view."""
+    first: dict[str, int] = {}
+    for i, t in enumerate(m.tensors):
+        if t.region == "state" and not t.HasField("base"):
+            first.setdefault(t.name, i)
+    return first
+
+
+def prefix_pool_tensors(m: Any) -> frozenset[int]:
+    """The pool tensors metadata prefix_pool declares (none without a pool): state tensors
+    that are no cache of the slots."""
+    value = _prefix_pool_meta(m)
+    items = parse_prefix_pool(value) if value is not None else None
+    if not items:
+        return frozenset()
+    first = _first_states(m)
+    return frozenset(first[n] for name, _ in items if (n := pool_tensor_name(name)) in first)
+
+
+def prefix_pool_size(m: Any) -> tuple[int, int]:
+    """(entries, bytes) of the prefix pool metadata prefix_pool declares: (0, 0) without one."""
+    pools = [m.tensors[i] for i in sorted(prefix_pool_tensors(m))]
+    return (int(pools[0].shape[0]) if pools and pools[0].shape else 0), sum(int(t.nbytes) for t in pools)
+
+
+def check_prefix_pool(path: str, m: Any) -> PrefixPool | None:
+    """The prefix pool (backend/lower.py): metadata prefix_pool's states, each with its pool
+    tensor [entries, *its shape[1:]] of its dtype and positions on an axis after the slots';
+    every other state in it (a load restores a sequence whole); no program, and no view, on
+    a pool tensor (only the runtime's prefix copies touch it). None: the file has no pool."""
+    value = _prefix_pool_meta(m)
+    if value is None:
+        return None
+    items = parse_prefix_pool(value)
+    if items is None:
+        raise bad(E_META, f"{path}: metadata prefix_pool={value[:80]!r} is not a list of state:axis entries")
+    if not any(e.key == "max_seq_len" for e in m.metadata):
+        raise bad(E_META, f"{path}: metadata prefix_pool={value[:80]!r} comes without max_seq_len")
+    first = _first_states(m)
+    pool_names = {pool_tensor_name(name) for name, _ in items}
+    states, entries, nbytes = [], 0, 0
+    for name, axis in items:
+        pool = pool_tensor_name(name)
+        s, p = first.get(name), first.get(pool)
+        if s is None or p is None or name in pool_names:
+            raise bad(E_INVALID, f"{path}: metadata prefix_pool names state {name!r}, which has no state tensor "
+                                 f"and pool tensor {pool!r}")
+        st, pt = m.tensors[s], m.tensors[p]
+        n = int(pt.shape[0]) if pt.shape else 0
+        if not 1 <= axis < len(st.shape) or pt.dtype != st.dtype or len(pt.shape) != len(st.shape) \
+                or list(pt.shape[1:]) != list(st.shape[1:]) or not 1 <= n < 1 << 31 or (entries and n != entries):
+            raise bad(E_INVALID, f"{path}: prefix pool tensor {pool!r} is not [entries, ...] of state {name!r}'s "
+                                 f"layout with positions on its axis {axis}")
+        states.append((s, p, axis))
+        entries, nbytes = n, nbytes + int(pt.nbytes)
+    listed = {s for s, _, _ in states}
+    pools = {p for _, p, _ in states}
+    for i, t in enumerate(m.tensors):
+        if t.region == "state" and not t.HasField("base") and i not in listed and i not in pools:
+            raise bad(E_INVALID, f"{path}: state {t.name!r} is not in the prefix pool (metadata prefix_pool), so a "
+                                 "prefix could not restore it")
+        if t.HasField("base") and t.base in pools:
+            raise bad(E_INVALID, f"{path}: tensor {t.name!r} shares the buffer of prefix pool tensor "
+                                 f"{m.tensors[t.base].name!r}")
+    for prog in m.programs:
+        refs = [*prog.inputs, *prog.outputs]
+        for op in prog.ops:
+            refs += [*op.inputs, *op.outputs, *([op.workspace] if op.HasField("workspace") else [])]
+        used = next((i for i in refs if i in pools), None)
+        if used is not None:
+            raise bad(E_INVALID, f"{path}: program {prog.name!r} uses prefix pool tensor {m.tensors[used].name!r}, "
+                                 "which only the runtime's prefix copies may")
+    return PrefixPool(entries, tuple(states), nbytes)
 
 
 def check_tensors(path: str, m: Any, weights_len: int, arena_bytes: int) -> list[str]:
@@ -308,8 +404,9 @@ def position_rows(m: Any) -> int:
     """The positions a `position` input may name: the KV cache's rows, and no more than the
     metadata's max_seq_len (the cache is rounded up to the tile; the RoPE tables, traced at
     max_seq_len, hold that many rows). 0: the model has no cache."""
-    rows = min((int(t.shape[2]) for t in m.tensors if t.region == "state" and len(t.shape) == 4
-                and not t.name.startswith(RECURRENT_STATES)), default=0)
+    pools = prefix_pool_tensors(m)
+    rows = min((int(t.shape[2]) for i, t in enumerate(m.tensors) if t.region == "state" and len(t.shape) == 4
+                and not t.name.startswith(RECURRENT_STATES) and i not in pools), default=0)
     meta = next((e.value for e in m.metadata if e.key == "max_seq_len"), None)
     n = _ints(meta) if meta is not None else None
     return min(rows, n[0]) if rows and n is not None and len(n) == 1 and n[0] > 0 else rows
@@ -436,8 +533,9 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
         return
     n = int(meta["max_seq_len"])
     # the KV and conv caches' rows (a recurrent state has no rows per position)
-    rows = [t.shape[2] for t in m.tensors if t.region == "state" and len(t.shape) == 4
-            and not t.name.startswith(RECURRENT_STATES)]
+    pools = prefix_pool_tensors(m)  # the caches of the slots, not the prefix pool's entries
+    rows = [t.shape[2] for i, t in enumerate(m.tensors) if t.region == "state" and len(t.shape) == 4
+            and not t.name.startswith(RECURRENT_STATES) and i not in pools]
     if rows and n > min(rows):
         raise bad(E_META, f"{path}: metadata max_seq_len={n} is longer than the KV cache's {min(rows)} rows")
     ids = [m.tensors[i] for i in progs["prefill"].inputs if m.tensors[i].name not in ("last_token", "slot")]
@@ -460,7 +558,8 @@ def check_generation(path: str, m: Any, meta: Mapping[str, str]) -> None:
     shape = list(step[ids[0].name].shape)
     slots, c = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
     position = next(t for name, t in step.items() if name != ids[0].name)
-    caches = {int(t.shape[0]) for t in m.tensors if t.region == "state" and len(t.shape) == 4}
+    caches = {int(t.shape[0]) for i, t in enumerate(m.tensors) if t.region == "state" and len(t.shape) == 4
+              and i not in pools}
     want = [slots] if c == 1 else [slots, c]
     if slot and (list(slot[0].shape) != [1] or ids[0].shape[0] != 1 or slots < 2 or caches != {slots}
                  or list(position.shape) != want):

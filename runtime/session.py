@@ -33,6 +33,22 @@ from npuc.runtime.launch import Bound, Launchers, tail_rows_read
 from npuc.runtime.om_validate import attr_value, position_rows, validate_model
 
 
+def check_prefix_args(entries: int, slots: int, rows: int, slot: int, entry: int, n: int) -> None:
+    """A prefix copy's arguments (npuc_session_prefix_save's and _load's checks, worded alike)."""
+    if not entries:
+        raise NpucError("NPUC-E0108", "the model has no prefix pool",
+                        "compile it with --prefix_cache P (and --max_seq_len N)", exit_code=EXIT_USAGE)
+    if not 0 <= entry < entries:
+        raise NpucError("NPUC-E0108", f"prefix entry {entry} is outside the model's {entries} entries",
+                        f"entries are 0..{entries - 1}", exit_code=EXIT_USAGE)
+    if not 0 <= slot < slots:
+        raise NpucError("NPUC-E0108", f"slot {slot} is outside the model's {slots} slots",
+                        f"slots are 0..{slots - 1}", exit_code=EXIT_USAGE)
+    if not 1 <= n <= rows:
+        raise NpucError("NPUC-E0108", f"a prefix of {n} positions: the model caches 1 to {rows}",
+                        "a prefix is 1 to --max_seq_len positions", exit_code=EXIT_USAGE)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -91,9 +107,12 @@ class Session:
         self.arena_bytes = checked.arena_bytes
         self.state_bytes = checked.state_bytes
         self._cache_rows = position_rows(model)
+        # --prefix_cache's pool: state tensors beside the caches, which no program uses
+        self._prefix = checked.prefix
+        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
         # Sequences the KV cache holds (its batch), where prefill fills one by its `slot` input.
-        self._slots = min((int(t.shape[0]) for t in model.tensors if t.region == "state" and len(t.shape) == 4),
-                          default=0)
+        self._slots = min((int(t.shape[0]) for i, t in enumerate(model.tensors)
+                           if t.region == "state" and len(t.shape) == 4 and i not in pools), default=0)
         self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -148,22 +167,51 @@ class Session:
         return raw.view(t.dtype.torch).reshape(t.shape)
 
     def reset_state(self) -> None:
-        """Forget the KV cache (a new sequence)."""
+        """Forget the KV cache (a new sequence), and the prefix pool's entries."""
         self.state.zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Slot src's KV cache into slot dst (n > 1 continuations of one prefill): every state
-        tensor is [slots, ...] (npuc_session_copy_slot's rule)."""
+        tensor but the prefix pool's is [slots, ...] (npuc_session_copy_slot's rule)."""
         slots = self._slots
         if not (0 <= src < slots and 0 <= dst < slots):
             raise NpucError("NPUC-E0108", f"copy from slot {src} to slot {dst}", f"slots are 0..{slots - 1}")
-        regions = {(t.offset, t.nbytes) for t in self.tensors if t.region == "state"}
-        if any(t.region == "state" and (not t.shape or t.shape[0] != slots) for t in self.tensors):
+        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
+        pooled = {(self.tensors[p].offset, self.tensors[p].nbytes) for p in pools}
+        regions = {(t.offset, t.nbytes) for t in self.tensors if t.region == "state"} - pooled
+        if any(t.region == "state" and i not in pools and (not t.shape or t.shape[0] != slots)
+               for i, t in enumerate(self.tensors)):
             raise NpucError("NPUC-E0108", "a state tensor is not one row per slot",
                             "only a state laid out [slots, ...] can be copied by slot")
         for off, n in sorted(regions):
             row = n // slots
             self.state[off + dst * row:off + (dst + 1) * row] = self.state[off + src * row:off + (src + 1) * row]
+
+    @property
+    def prefix_entries(self) -> int:
+        """Prompt prefixes the model's pool holds (--prefix_cache; 0: none)."""
+        return self._prefix.entries if self._prefix is not None else 0
+
+    @property
+    def prefix_pool_bytes(self) -> int:
+        return self._prefix.nbytes if self._prefix is not None else 0
+
+    def save_prefix(self, slot: int, entry: int, n: int) -> None:
+        """Positions 0..n-1 of every cache of `slot` into prefix pool entry `entry`: a prompt
+        prefix of n tokens, for load_prefix (npuc_session_prefix_save)."""
+        for state, pool, axis in self._prefix_args(slot, entry, n):
+            pool[entry].narrow(axis - 1, 0, n).copy_(state[slot].narrow(axis - 1, 0, n))
+
+    def load_prefix(self, entry: int, slot: int, n: int) -> None:
+        """Positions 0..n-1 of prefix pool entry `entry` into every cache of `slot`: the slot's
+        next decode step continues at position n (npuc_session_prefix_load)."""
+        for state, pool, axis in self._prefix_args(slot, entry, n):
+            state[slot].narrow(axis - 1, 0, n).copy_(pool[entry].narrow(axis - 1, 0, n))
+
+    def _prefix_args(self, slot: int, entry: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        check_prefix_args(self.prefix_entries, self._slots, self._cache_rows, slot, entry, n)
+        assert self._prefix is not None
+        return [(self.views[s], self.views[p], axis) for s, p, axis in self._prefix.states]
 
     def _program(self, name: str | None) -> Program:
         if name is None:

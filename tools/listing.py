@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from npuc.runtime.om_validate import attr_value, registry_available
+from npuc.runtime.om_validate import attr_value, prefix_pool_size, registry_available
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,12 @@ def render_listing(path: str, summary: bool = False, rank: int | None = None) ->
         path = s.path
     m: Any = s.model
     meta = {e.key: e.value for e in m.metadata}
+    entries, pool = prefix_pool_size(m)
     lines += [f"model {path}: produced by {m.producer} {m.producer_version}, target {m.target}; weights "
              f"{_fmt_bytes(m.weights_bytes)} in {sum(1 for t in s.tensors if t.region == 'weights')} tensors"
              + (f", state {_fmt_bytes(s.state_bytes)} in {sum(1 for t in s.tensors if t.region == 'state')} "
                 "tensors (KV cache)" if s.state_bytes else "")
+             + (f", of which prefix pool {_fmt_bytes(pool)} ({entries} entries)" if entries else "")
              + (f"; rank {meta['parallel.rank']} of {meta['parallel.world']}" if "parallel.world" in meta else "")]
     for p in s.programs.values():
         lines += _program(s, p, summary)

@@ -34,7 +34,7 @@ from npuc.backend.manifest import Manifest, open_rank, read_manifest
 from npuc.backend.om_format import FORMAT_VERSION, OmFile
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
-from npuc.runtime.om_validate import check_structure, validate_model
+from npuc.runtime.om_validate import check_structure, prefix_pool_size, prefix_pool_tensors, validate_model
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
 
@@ -99,9 +99,10 @@ _RECURRENT = ("ssm_state.", "delta_state.", "wkv_state.", "lru_state.", "linear_
 
 
 def _caches(m: Any) -> list[Any]:
-    """The KV (and conv) caches: state tensors [slots, heads, positions, d]."""
-    return [t for t in m.tensors if t.region == "state" and not t.HasField("base") and len(t.shape) == 4
-            and t.shape[0] and t.shape[2] and not t.name.startswith(_RECURRENT)]
+    """The KV (and conv) caches: state tensors [slots, heads, positions, d] (not the prefix pool's)."""
+    pools = prefix_pool_tensors(m)
+    return [t for i, t in enumerate(m.tensors) if t.region == "state" and not t.HasField("base") and len(t.shape) == 4
+            and t.shape[0] and t.shape[2] and not t.name.startswith(_RECURRENT) and i not in pools]
 
 
 def _recurrent_bytes_per_slot(m: Any) -> int:
@@ -160,6 +161,7 @@ def model_info(path: str) -> dict[str, Any]:
         prog = m.programs[0]
         sections = _sections(om)
         regions = Counter(t.region for t in m.tensors)
+        entries, pool_bytes = prefix_pool_size(m)
         return {
             "programs": [_program_info(m, p) for p in m.programs],
             "kv_cache_bytes_per_token": _kv_bytes_per_token(m),
@@ -167,6 +169,8 @@ def model_info(path: str) -> dict[str, Any]:
             "kv_slots": _kv_slots(m),
             "kv_cache_bytes_per_slot": sum(t.nbytes // t.shape[0] for t in _caches(m)),
             "recurrent_state_bytes_per_slot": _recurrent_bytes_per_slot(m),
+            "prefix_pool_entries": entries,
+            "prefix_pool_bytes": pool_bytes,
             "format_version": FORMAT_VERSION,
             "file_bytes": max((s["offset"] + s["size"] for s in sections), default=0),
             "sections": sections,
@@ -256,6 +260,10 @@ def render_info(path: str, info: dict[str, Any]) -> str:
                                              if info["state_bytes"] else "")),
         *([("KV cache", f"{info['kv_cache_dtype']}, {info['kv_cache_bytes_per_token']:,} bytes per token")]
           if info.get("kv_cache_dtype") else []),
+        *([("prefix pool", f"{info['prefix_pool_entries']} entries, {_b(info['prefix_pool_bytes'])} of the state "
+                            f"(--prefix_cache: each up to {info['metadata'].get('max_seq_len', '?')} positions of "
+                            "every cache)")]
+          if info.get("prefix_pool_entries") else []),
         *([("recurrent state", f"{_b(info['recurrent_state_bytes_per_slot'])} per slot (scan and delta-rule "
                                 "states, conv windows; the same at any --max_seq_len)")]
           if info.get("recurrent_state_bytes_per_slot") else []),

@@ -13,7 +13,8 @@
  * last (token, position) it wrote, which writes the same key and value again: the same
  * computation over the same cache rows, so the same bytes. A slot that never held a sequence
  * is fed token 0 at position 0 of its own rows, which no sequence reads before a prefill
- * writes them.
+ * writes them; one loaded with a prefix of n positions (prefix.c), token 0 at position n,
+ * which its next step writes before any query reads it.
  */
 #include <math.h>
 #include <stdio.h>
@@ -293,10 +294,11 @@ int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error
         snprintf(hint, sizeof hint, "slots are 0..%lld", (long long)B - 1);
         return rt_fail(err, NPUC_E_INPUT, hint, "copy from slot %d to slot %d", (int)from, (int)to);
     }
-    /* every state tensor holds its slots first, [slots, ...]: checked before any byte moves */
+    /* every state tensor holds its slots first, [slots, ...]: checked before any byte moves (the
+     * prefix pool's tensors, [entries, ...], are no slot's) */
     for (int32_t i = 0; i < m->n_tensors; i++) {
         const rt_tensor *t = &m->tensors[i];
-        if (t->region == REGION_STATE && (t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B))
+        if (t->region == REGION_STATE && !t->pool && (t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B))
             return rt_fail(err, NPUC_E_INPUT, "only a state laid out [slots, ...] can be copied by slot",
                            "state tensor %s is not one row per slot", t->name);
     }
@@ -304,7 +306,7 @@ int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error
     uint8_t *state = rt_session_state(s);
     for (int32_t i = 0; i < m->n_tensors; i++) {
         const rt_tensor *t = &m->tensors[i];
-        if (t->region != REGION_STATE) continue;
+        if (t->region != REGION_STATE || t->pool) continue;
         int seen = 0; /* a view of the same bytes (kv_write's output) is copied once */
         for (int32_t j = 0; j < i && !seen; j++)
             seen = m->tensors[j].region == REGION_STATE && m->tensors[j].offset == t->offset &&

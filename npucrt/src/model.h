@@ -42,6 +42,7 @@ typedef struct rt_tensor {
     uint64_t offset;
     uint64_t nbytes;
     int32_t base;           /* -1: none */
+    int32_t pool;           /* 1: a prefix pool tensor (validate.c), no cache of the slots */
 } rt_tensor;
 
 typedef struct rt_op {
@@ -88,6 +89,12 @@ typedef struct rt_meta {
     const char *value;
 } rt_meta;
 
+/* One state of the prefix pool (metadata prefix_pool, validate.c): its pool tensor holds
+ * [entries, ...] of its per-slot layout, positions on `axis`. */
+typedef struct rt_prefix {
+    int32_t state, pool, axis;
+} rt_prefix;
+
 typedef struct rt_section {
     char name[17];
     uint64_t offset;
@@ -133,6 +140,10 @@ struct npuc_model {
     uint64_t arena_bytes;   /* the largest program's */
     int32_t cache_rows;     /* positions a `position` input may name (position_rows); 0: no cache */
     int32_t slots;          /* batch of the 4-D state tensors (0: none) */
+    rt_prefix *prefix;      /* the prefix pool's states (--prefix_cache), n_prefix of them */
+    int32_t n_prefix;
+    int32_t prefix_entries; /* 0: no pool */
+    uint64_t prefix_bytes;  /* the pool tensors' bytes */
 
     /* Derived by exec.c at load (the kernel check) and for generation */
     npuc_generation_info gen;

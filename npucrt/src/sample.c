@@ -391,21 +391,12 @@ int npuc_sampling_process(const float *logits, int64_t vocab, const npuc_samplin
     return NPUC_OK;
 }
 
-int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, const int64_t *prompt, int32_t n_prompt,
-                const int64_t *out, int32_t n_out, void *work, size_t work_bytes, int64_t *token, npuc_error *err) {
-    int rc = args_ok(logits, vocab, prompt, n_prompt, out, n_out, err);
-    if (!rc && token == NULL) rc = rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
-    if (rc) return rc;
-    if (p == NULL) { /* greedy on the row as it is */
-        *token = rt_argmax(logits, vocab);
-        return NPUC_OK;
-    }
-    rc = npuc_sampling_check(p, vocab, err);
-    if (rc) return rc;
-    if (work == NULL || work_bytes < npuc_sample_work_bytes(vocab))
-        return rt_fail(err, NPUC_E_ARG, "size it with npuc_sample_work_bytes",
-                       "npuc_sample: %zu bytes of work space; it needs %zu", work_bytes, npuc_sample_work_bytes(vocab));
-    const int64_t V = vocab;
+/* The distribution npuc_sample draws from, in the work space: after the steps above, either
+ * every id's unnormalised probability in lg[0..V) (no ordering needed; *ids NULL), or the kept
+ * candidates' in lg[0..*m) with their ids in (*ids)[0..*m).mass of what is kept: *mass. Returns
+ * -1 (and *greedy) where the choice is the greedy one: temperature 0, nothing allowed, NaN. */
+static int kept(const float *logits, int64_t V, const npuc_sampling *p, const int64_t *prompt, int32_t n_prompt,
+                const int64_t *out, int32_t n_out, void *work, int64_t *m_out, const cand **ids, int64_t *greedy) {
     float *lg = work;
     cand *cs = (cand *)(lg + V); /* V entries: float + int32 each */
     cand *tmp = cs + V;          /* V more: the radix selections' scratch */
@@ -414,25 +405,24 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, cons
     process(lg, V, p, prompt, n_prompt, out, n_out, seen);
     const float inv_t = p->temperature > 0.0f ? 1.0f / p->temperature : 0.0f;
     if (p->temperature == 0.0f || !isfinite(inv_t)) { /* greedy (a temperature too small to divide by is 0) */
-        *token = rt_argmax(lg, V);
-        return NPUC_OK;
+        *greedy = rt_argmax(lg, V);
+        return -1;
     }
     /* softmax(lg / T), unnormalised: probabilities relative to the largest (which is 1) */
     const float mx = max_of(lg, V);
     if (!(mx > -INFINITY) || isnan(mx)) { /* nothing allowed, or NaN logits: the greedy answer */
-        *token = rt_argmax(lg, V);
-        return NPUC_OK;
+        *greedy = rt_argmax(lg, V);
+        return -1;
     }
     const double total = relative_softmax(lg, V, mx, inv_t);
-    const double u = npuc_sample_uniform(p->seed, n_out);
     const int64_t k = p->top_k > 0 && p->top_k < V ? p->top_k : 0;
     const float floor_p = p->min_p > 0.0f ? p->min_p : 0.0f; /* relative to the largest, which is 1 */
-    if (k == 0 && p->top_p >= 1.0f) { /* no ordering needed: walk the ids in order */
+    *greedy = -1;
+    if (k == 0 && p->top_p >= 1.0f) { /* no ordering needed: the ids in order */
         if (floor_p > 0.0f)
             for (int64_t i = 0; i < V; i++) lg[i] = lg[i] >= floor_p ? lg[i] : 0.0f;
-        int64_t at = walk(lg, V, u * sum_of(lg, V));
-        *token = at >= 0 ? at : rt_argmax(logits, V);
-        return NPUC_OK;
+        *m_out = V, *ids = NULL;
+        return 0;
     }
     /* The candidates: every id at or above a bound, lowered until they hold what is kept. */
     int64_t n = 0;
@@ -460,7 +450,63 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, cons
         if (cs[i].p >= floor_p) cs[j++] = cs[i];
     m = j;
     for (int64_t i = 0; i < m; i++) lg[i] = cs[i].p; /* the kept ones, in the order the selections left them */
+    *m_out = m, *ids = cs;
+    return 0;
+}
+
+static int sample_args(const float *logits, int64_t vocab, const npuc_sampling *p, const int64_t *prompt,
+                       int32_t n_prompt, const int64_t *out, int32_t n_out, const void *work, size_t work_bytes,
+                       const void *result, npuc_error *err) {
+    int rc = args_ok(logits, vocab, prompt, n_prompt, out, n_out, err);
+    if (!rc && result == NULL) rc = rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    if (rc || p == NULL) return rc;
+    rc = npuc_sampling_check(p, vocab, err);
+    if (rc) return rc;
+    if (work == NULL || work_bytes < npuc_sample_work_bytes(vocab))
+        return rt_fail(err, NPUC_E_ARG, "size it with npuc_sample_work_bytes",
+                       "npuc_sample: %zu bytes of work space; it needs %zu", work_bytes, npuc_sample_work_bytes(vocab));
+    return NPUC_OK;
+}
+
+int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *p, const int64_t *prompt, int32_t n_prompt,
+                const int64_t *out, int32_t n_out, void *work, size_t work_bytes, int64_t *token, npuc_error *err) {
+    int rc = sample_args(logits, vocab, p, prompt, n_prompt, out, n_out, work, work_bytes, token, err);
+    if (rc) return rc;
+    if (p == NULL) { /* greedy on the row as it is */
+        *token = rt_argmax(logits, vocab);
+        return NPUC_OK;
+    }
+    int64_t m = 0, greedy = -1;
+    const cand *ids = NULL;
+    if (kept(logits, vocab, p, prompt, n_prompt, out, n_out, work, &m, &ids, &greedy) < 0) {
+        *token = greedy;
+        return NPUC_OK;
+    }
+    float *lg = work;
+    const double u = npuc_sample_uniform(p->seed, n_out);
     int64_t at = walk(lg, m, u * sum_of(lg, m));
-    *token = at >= 0 ? cs[at].id : rt_argmax(logits, V);
+    *token = at < 0 ? rt_argmax(logits, vocab) : ids != NULL ? ids[at].id : at;
+    return NPUC_OK;
+}
+
+int npuc_sample_probs(const float *logits, int64_t vocab, const npuc_sampling *p, const int64_t *prompt,
+                      int32_t n_prompt, const int64_t *out, int32_t n_out, void *work, size_t work_bytes,
+                      float *probs, npuc_error *err) {
+    int rc = sample_args(logits, vocab, p, prompt, n_prompt, out, n_out, work, work_bytes, probs, err);
+    if (rc) return rc;
+    int64_t m = 0, greedy = -1;
+    const cand *ids = NULL;
+    memset(probs, 0, (size_t)vocab * sizeof *probs);
+    if (p == NULL) greedy = rt_argmax(logits, vocab);
+    else if (kept(logits, vocab, p, prompt, n_prompt, out, n_out, work, &m, &ids, &greedy) == 0) {
+        const float *lg = work;
+        const double total = sum_of(lg, m);
+        if (total > 0.0) {
+            for (int64_t i = 0; i < m; i++) probs[ids != NULL ? ids[i].id : i] = (float)(lg[i] / total);
+            return NPUC_OK;
+        }
+        greedy = rt_argmax(logits, vocab); /* nothing kept: npuc_sample's answer */
+    }
+    probs[greedy] = 1.0f;
     return NPUC_OK;
 }

@@ -132,7 +132,7 @@ static int64_t position_rows(const npuc_model *m) {
         /* the KV and conv caches' rows; a recurrent state (passes/recurrent_state.py) has none per position */
         int recurrent = strncmp(t->name, "ssm_state.", 10) == 0 || strncmp(t->name, "delta_state.", 12) == 0 ||
                         strncmp(t->name, "linear_state.", 13) == 0 || strncmp(t->name, "conv_window.", 12) == 0;
-        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && (!any || t->shape[2] < rows))
+        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && !t->pool && (!any || t->shape[2] < rows))
             rows = t->shape[2], any = 1;
     }
     const char *v = NULL;
@@ -1007,7 +1007,7 @@ static int check_generation(const npuc_model *m, npuc_error *err) {
         /* the KV and conv caches' rows; a recurrent state (passes/recurrent_state.py) has none per position */
         int recurrent = strncmp(t->name, "ssm_state.", 10) == 0 || strncmp(t->name, "delta_state.", 12) == 0 ||
                         strncmp(t->name, "linear_state.", 13) == 0 || strncmp(t->name, "conv_window.", 12) == 0;
-        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && (!any || t->shape[2] < rows))
+        if (is_region(t, REGION_STATE) && t->rank == 4 && !recurrent && !t->pool && (!any || t->shape[2] < rows))
             rows = t->shape[2], any = 1;
     }
     if (any && n > rows)
@@ -1058,7 +1058,7 @@ static int check_generation(const npuc_model *m, npuc_error *err) {
         int caches_ok = 0, caches_any = 0;
         for (int32_t i = 0; i < m->n_tensors; i++) {
             const rt_tensor *t = &m->tensors[i];
-            if (is_region(t, REGION_STATE) && t->rank == 4) {
+            if (is_region(t, REGION_STATE) && t->rank == 4 && !t->pool) {
                 caches_ok = caches_any ? caches_ok && t->shape[0] == slots : t->shape[0] == slots;
                 caches_any = 1;
             }
@@ -1542,6 +1542,141 @@ uint64_t npuc_memory_cap(void) {
     return (uint64_t)pages * (uint64_t)page;
 }
 
+/* om_validate.check_prefix_pool: metadata prefix_pool ("state:axis,...", backend/om_schema.py)
+ * parses; each state it names has its pool tensor "prefix_pool.<state>" [entries, ...] of its
+ * layout; every other state is in it; nothing but the runtime's prefix copies touches a pool
+ * tensor. Fills m->prefix and marks the pool tensors (t->pool). */
+#define POOL_PREFIX "prefix_pool."
+
+static int32_t first_state(const npuc_model *m, const char *prefix, const char *name) {
+    size_t k = strlen(prefix);
+    for (int32_t i = 0; i < m->n_tensors; i++) {
+        const rt_tensor *t = &m->tensors[i];
+        if (is_region(t, REGION_STATE) && t->base == -1 && strncmp(t->name, prefix, k) == 0 &&
+            strcmp(t->name + k, name) == 0)
+            return i;
+    }
+    return -1;
+}
+
+static int check_prefix_pool(npuc_model *m, npuc_error *err) {
+    const char *v = meta_get(m, "prefix_pool");
+    if (v == NULL) return NPUC_OK;
+    char r[REPR], q[REPR];
+    /* the entries: split at ',', each name up to its last ':' and one or two digits after it */
+    int32_t n = 1;
+    for (const char *c = v; *c; c++) n += *c == ',';
+    const char **names = pool_alloc(&m->pool, sizeof *names * (size_t)n);
+    int32_t *axes = pool_alloc(&m->pool, sizeof *axes * (size_t)n);
+    m->prefix = pool_alloc(&m->pool, sizeof *m->prefix * (size_t)n);
+    uint8_t *listed = calloc((size_t)m->n_tensors + 1, 1);
+    if (names == NULL || axes == NULL || m->prefix == NULL || listed == NULL) {
+        free(listed);
+        return no_memory(err);
+    }
+    int ok = 1;
+    const char *p = v;
+    for (int32_t k = 0; k < n && ok; k++) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        const char *colon = NULL;
+        for (size_t i = 0; i < len; i++)
+            if (p[i] == ':') colon = p + i;
+        size_t digits = colon ? len - (size_t)(colon + 1 - p) : 0;
+        ok = colon != NULL && colon > p && digits >= 1 && digits <= 2;
+        for (size_t i = 0; ok && i < digits; i++) ok = colon[1 + i] >= '0' && colon[1 + i] <= '9';
+        if (ok) {
+            names[k] = pool_strndup(&m->pool, p, (size_t)(colon - p));
+            if (names[k] == NULL) {
+                free(listed);
+                return no_memory(err);
+            }
+            axes[k] = digits == 1 ? colon[1] - '0' : (colon[1] - '0') * 10 + (colon[2] - '0');
+            for (int32_t j = 0; j < k && ok; j++) ok = strcmp(names[j], names[k]) != 0;
+        }
+        p = comma ? comma + 1 : p + len;
+    }
+    int rc = NPUC_OK;
+    if (!ok) {
+        rc = bad(err, NPUC_E_META, "%s: metadata prefix_pool=%s is not a list of state:axis entries", m->path,
+                 rt_repr(r, REPR, v, 80));
+    } else if (meta_get(m, "max_seq_len") == NULL) {
+        rc = bad(err, NPUC_E_META, "%s: metadata prefix_pool=%s comes without max_seq_len", m->path,
+                 rt_repr(r, REPR, v, 80));
+    }
+    int64_t entries = 0;
+    uint64_t nbytes = 0;
+    for (int32_t k = 0; k < n && !rc; k++) {
+        int32_t s = first_state(m, "", names[k]), pl = first_state(m, POOL_PREFIX, names[k]);
+        int is_pool_name = 0; /* the name is another entry's pool tensor */
+        for (int32_t j = 0; j < n && !is_pool_name; j++)
+            is_pool_name = strncmp(names[k], POOL_PREFIX, sizeof POOL_PREFIX - 1) == 0 &&
+                           strcmp(names[k] + sizeof POOL_PREFIX - 1, names[j]) == 0;
+        if (s < 0 || pl < 0 || is_pool_name) {
+            size_t len = strlen(names[k]) + sizeof POOL_PREFIX;
+            char *pool_name = malloc(len);
+            if (pool_name == NULL) {
+                rc = no_memory(err);
+                break;
+            }
+            snprintf(pool_name, len, "%s%s", POOL_PREFIX, names[k]);
+            rc = bad(err, NPUC_E_INVALID, "%s: metadata prefix_pool names state %s, which has no state tensor and "
+                     "pool tensor %s", m->path, repr(r, names[k]), repr(q, pool_name));
+            free(pool_name);
+            break;
+        }
+        const rt_tensor *st = &m->tensors[s], *pt = &m->tensors[pl];
+        int64_t e = pt->rank ? pt->shape[0] : 0;
+        int same = axes[k] >= 1 && axes[k] < st->rank && pt->dtype == st->dtype && pt->rank == st->rank &&
+                   e >= 1 && e < ((int64_t)1 << 31) && (entries == 0 || e == entries);
+        for (int32_t d = 1; same && d < st->rank; d++) same = pt->shape[d] == st->shape[d];
+        if (!same) {
+            rc = bad(err, NPUC_E_INVALID, "%s: prefix pool tensor %s is not [entries, ...] of state %s's layout with "
+                     "positions on its axis %d", m->path, repr(r, pt->name), repr(q, names[k]), (int)axes[k]);
+            break;
+        }
+        m->prefix[k] = (rt_prefix){.state = s, .pool = pl, .axis = axes[k]};
+        listed[s] = 1;
+        m->tensors[pl].pool = 1;
+        entries = e;
+        nbytes += pt->nbytes;
+    }
+    for (int32_t i = 0; i < m->n_tensors && !rc; i++) {
+        const rt_tensor *t = &m->tensors[i];
+        if (is_region(t, REGION_STATE) && t->base == -1 && !listed[i] && !t->pool)
+            rc = bad(err, NPUC_E_INVALID, "%s: state %s is not in the prefix pool (metadata prefix_pool), so a prefix "
+                     "could not restore it", m->path, repr(r, t->name));
+        else if (t->base >= 0 && m->tensors[t->base].pool)
+            rc = bad(err, NPUC_E_INVALID, "%s: tensor %s shares the buffer of prefix pool tensor %s", m->path,
+                     repr(r, t->name), repr(q, m->tensors[t->base].name));
+    }
+    for (int32_t g = 0; g < m->n_programs && !rc; g++) {
+        const rt_program *prog = &m->programs[g];
+        int32_t used = -1;
+        for (int32_t i = 0; i < prog->n_inputs && used < 0; i++)
+            if (m->tensors[prog->inputs[i]].pool) used = prog->inputs[i];
+        for (int32_t i = 0; i < prog->n_outputs && used < 0; i++)
+            if (m->tensors[prog->outputs[i]].pool) used = prog->outputs[i];
+        for (int32_t k = 0; k < prog->n_ops && used < 0; k++) {
+            const rt_op *op = &prog->ops[k];
+            for (int32_t i = 0; i < op->n_inputs && used < 0; i++)
+                if (m->tensors[op->inputs[i]].pool) used = op->inputs[i];
+            for (int32_t i = 0; i < op->n_outputs && used < 0; i++)
+                if (m->tensors[op->outputs[i]].pool) used = op->outputs[i];
+            if (used < 0 && op->workspace >= 0 && m->tensors[op->workspace].pool) used = op->workspace;
+        }
+        if (used >= 0)
+            rc = bad(err, NPUC_E_INVALID, "%s: program %s uses prefix pool tensor %s, which only the runtime's prefix "
+                     "copies may", m->path, repr(r, prog->name), repr(q, m->tensors[used].name));
+    }
+    free(listed);
+    if (rc) return rc;
+    m->n_prefix = n;
+    m->prefix_entries = (int32_t)entries;
+    m->prefix_bytes = nbytes;
+    return NPUC_OK;
+}
+
 int npuc_validate_model(npuc_model *m, uint64_t cap, npuc_error *err) {
     int rc = check_structure(m, err);
     if (rc) return rc;
@@ -1564,6 +1699,7 @@ int npuc_validate_model(npuc_model *m, uint64_t cap, npuc_error *err) {
                        "%s: the model needs %s bytes of arena and state, more than the %llu this runtime allows",
                        m->path, rt_u128_str(a, need), (unsigned long long)cap);
     }
+    if ((rc = check_prefix_pool(m, err))) return rc;
 
     /* Scratch for the per-program checks, sized for the largest program. */
     size_t nt = (size_t)m->n_tensors, most_io = 0, most_buf = 0;
@@ -1644,7 +1780,7 @@ int npuc_validate_model(npuc_model *m, uint64_t cap, npuc_error *err) {
     int64_t slots = 0;
     for (int32_t i = 0, any = 0; i < m->n_tensors; i++) {
         const rt_tensor *t = &m->tensors[i];
-        if (is_region(t, REGION_STATE) && t->rank == 4 && (!any || t->shape[0] < slots)) {
+        if (is_region(t, REGION_STATE) && t->rank == 4 && !t->pool && (!any || t->shape[0] < slots)) {
             slots = t->shape[0];
             any = 1;
         }

@@ -1,0 +1,162 @@
+"""Speculative decoding (apps/speculative.py): the verify program --speculative_tokens
+compiles, n-gram drafts, the greedy output unchanged token for token, and the rejection
+sampling that keeps a sampled token's distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hf_models import GEN_ARCHS, save_checkpoint
+
+from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, verify_draft
+from npuc.apps.scheduler import Scheduler
+from npuc.apps.speculative import VERIFY, NgramIndex, SpeculativeConfig
+from npuc.compiler.driver import compile_model
+from npuc.errors import NpucError
+from npuc.runtime import Session
+from npuc.runtime.native_session import NativeSession, runtime_library
+
+native = pytest.mark.skipif(runtime_library() is None, reason="no C compiler: the native runtime is not built")
+K, MAX_SEQ = 4, 64
+# one prompt that repeats itself (drafts are found and mostly right), one that does not
+PROMPTS = [[5, 17, 3, 99, 42, 5, 17, 3, 99, 42, 5, 17], [1, 15, 27, 100, 42, 7, 64, 11, 80, 2]]
+ALWAYS = SpeculativeConfig(min_gain=0.0)  # verify whenever there are drafts: every draft is checked
+
+
+@pytest.fixture(scope="module")
+def spec_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for arch in GEN_ARCHS:
+        save_checkpoint(arch, str(root / arch))
+        slots = 2 if arch == "llama" else 1
+        out[arch] = Path(compile_model(str(root / arch), input_shape=f"input_ids:{slots},8", max_seq_len=MAX_SEQ,
+                                       speculative_tokens=K, output=str(root / f"{arch}_spec")))
+    return out
+
+
+def _run(s: Any, prompts: list[list[int]], config: SpeculativeConfig, sampling: SamplingParams = GREEDY,
+         n: int = 40) -> tuple[list[list[int]], Any]:
+    sched = Scheduler(s, speculative=config)
+    ids = [sched.submit(p, n, True, sampling) for p in prompts]
+    while not sched.idle:
+        sched.step()
+    return [sched.requests[i].tokens for i in ids], sched.stats
+
+
+def test_the_verify_program_runs_k_plus_one_tokens_of_each_slot(spec_models: dict[str, Path]) -> None:
+    s = Session.load(str(spec_models["llama"]), use_native=False)
+    verify = s.programs[VERIFY]
+    ids = next(t for t in verify.inputs if t.name == "input_ids")
+    assert tuple(ids.shape) == (2, K + 1) and tuple(verify.outputs[0].shape[:2]) == (2, K + 1)
+
+
+def test_verify_rows_are_decode_steps(spec_models: dict[str, Path]) -> None:
+    """Row i of a verify step gives the logits decode gives after feeding tokens 0..i one by one."""
+    s = Session.load(str(spec_models["llama"]), use_native=False)
+    prompt = PROMPTS[1][:8]
+    s.reset_state()
+    s.run({"input_ids": np.array([prompt]), "last_token": np.array([7]), "slot": np.array([0])}, "prefill")
+    feed = [9, 33, 4, 71, 2]
+    got = s.run({"input_ids": np.array([feed, feed]), "position": np.array([list(range(8, 13))] * 2)},
+                VERIFY)["logits"][0]
+    s.reset_state()
+    s.run({"input_ids": np.array([prompt]), "last_token": np.array([7]), "slot": np.array([0])}, "prefill")
+    for i, t in enumerate(feed):
+        want = s.run({"input_ids": np.array([[t], [t]]), "position": np.array([8 + i, 8 + i])}, "decode")["logits"]
+        torch.testing.assert_close(torch.as_tensor(np.asarray(got[i])), torch.as_tensor(np.asarray(want[0, -1])),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("arch", GEN_ARCHS)
+def test_greedy_output_is_unchanged_by_speculation(arch: str, spec_models: dict[str, Path]) -> None:
+    s = NativeSession(str(spec_models[arch]))
+    want, plain = _run(s, PROMPTS, SpeculativeConfig(method="off"))
+    got, stats = _run(s, PROMPTS, ALWAYS)
+    assert got == want
+    assert plain.verify_steps == 0 and stats.verify_steps > 0 and stats.drafted > 0
+    assert stats.tokens == plain.tokens and stats.steps < plain.steps or stats.accepted == 0
+
+
+def test_greedy_output_is_unchanged_on_the_reference_executor(spec_models: dict[str, Path]) -> None:
+    s = Session.load(str(spec_models["llama"]), use_native=False)
+    want, _ = _run(s, PROMPTS, SpeculativeConfig(method="off"), n=24)
+    got, stats = _run(s, PROMPTS, ALWAYS, n=24)
+    assert got == want and stats.verify_steps > 0
+
+
+@native
+def test_seeded_sampling_with_speculation_is_reproducible(spec_models: dict[str, Path]) -> None:
+    s = NativeSession(str(spec_models["llama"]))
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=7)
+    a, stats = _run(s, PROMPTS[:1], ALWAYS, sampling)
+    b, _ = _run(s, PROMPTS[:1], ALWAYS, sampling)
+    assert a == b and len(a[0]) == 40 and stats.verify_steps > 0
+
+
+def _pvalue(got: np.ndarray, want: np.ndarray, n: int) -> float:
+    kept = want > 0
+    expected = want[kept] * n
+    chi2 = float(((got[kept] - expected) ** 2 / expected).sum())
+    df = int(kept.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+@native
+@pytest.mark.parametrize("kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+                                {"temperature": 1.3, "top_p": 0.8}],
+                         ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize("which", ["likely", "unlikely", "filtered"])
+def test_a_checked_draft_leaves_the_distribution_unchanged(kw: dict[str, Any], which: str) -> None:
+    """The token verify_draft gives follows the distribution a plain draw follows (chi-square,
+    p > 0.001), whichever token was drafted: the likeliest, an unlikely one, or one the
+    filters drop."""
+    draws = 20_000
+    logits = np.random.default_rng(0).normal(0, 1.5, 16).astype(np.float32)
+    p = SamplingParams(seed=99, **kw)
+    want = TokenChooser(p, [3], 1, 16, ()).probabilities(logits).astype(np.float64)
+    order = np.argsort(-want)
+    draft = int({"likely": order[0], "unlikely": order[int((want > 0).sum()) - 1],
+                 "filtered": order[-1]}[which])
+    ch = TokenChooser(p, [3], draws, 16, ())
+    tokens = []
+    for _ in range(draws):
+        tokens.append(verify_draft(ch, logits, draft))
+    got = np.bincount(tokens, minlength=16)
+    assert not got[want == 0].any()
+    assert _pvalue(got, want / want.sum(), draws) > 0.001, (got, want * draws)
+
+
+def test_ngram_drafts() -> None:
+    idx = NgramIndex(2, 3)
+    idx.extend([1, 2, 3, 4, 9, 1, 2, 3])
+    assert idx.draft(3) == [4, 9, 1]  # after the latest earlier [1, 2, 3]
+    idx.extend([7])
+    assert idx.draft(2) == []  # [3, 7] never occurred before
+    cycle = NgramIndex(2, 4)
+    cycle.extend([8, 5, 6, 5, 6])
+    assert cycle.draft(5) == [5, 6, 5, 6, 5]  # a repeating stretch runs on into its own copy
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    ({"speculative_tokens": 4}, "needs --max_seq_len"),
+    ({"speculative_tokens": 0, "max_seq_len": 64}, "from 1 to 15"),
+    ({"speculative_tokens": 16, "max_seq_len": 64}, "from 1 to 15"),
+    ({"prefix_cache": 0, "max_seq_len": 64}, "from 1 to 1024"),
+])
+def test_flag_values_are_refused(kwargs: dict[str, Any], text: str, tmp_path: Path) -> None:
+    with pytest.raises(NpucError) as e:
+        compile_model(str(tmp_path / "missing"), input_shape="input_ids:1,8", output=str(tmp_path / "m"), **kwargs)
+    assert e.value.code == "NPUC-E0124" and text in e.value.message and not list(tmp_path.iterdir())
+
+
+def test_speculative_config_is_checked() -> None:
+    with pytest.raises(NpucError) as e:
+        SpeculativeConfig(method="medusa").check()
+    assert e.value.code == "NPUC-E0162"
