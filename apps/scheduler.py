@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info, logits_f32
+from npuc.apps.prefix_cache import PrefixBook
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
 from npuc.apps.speculative import (
     VERIFY,
@@ -120,11 +121,16 @@ class Scheduler:
         self._times = StepTimes()
         verify = s.programs.get(VERIFY) if hasattr(s.programs, "get") else None
         self._vrows = next(t.shape[1] for t in verify.inputs if t.name == self._ids_name) if verify else 0
-        self._spec_on = self._vrows > 1 and self.speculative.method != "off" and not self.info.recurrent
+        # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not
+        self._can_verify = self._vrows > 1 and not self.info.recurrent
+        self._spec_on = self._can_verify and self.speculative.method != "off"
         self._k = min(self.speculative.tokens or self._vrows - 1, self._vrows - 1)
         self._vids = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._vpos = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._drafts: dict[int, list[int]] = {}
+        # Prefix reuse (apps/prefix_cache.py): where the model has a prefix pool
+        entries = int(getattr(s, "prefix_entries", 0) or 0)
+        self.prefixes = PrefixBook(entries) if entries and not self.info.recurrent else None
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's view of the model's stored tokenizer (NPUC-E0126 without one)."""
@@ -287,7 +293,7 @@ class Scheduler:
     def _plan(self) -> str:
         """The program of this step: verify (with each decoding slot's drafts in self._drafts)
         where it is expected to give more tokens a second than plain decode, else decode."""
-        if not self._spec_on:
+        if not self._can_verify:
             return "decode"
         info, k_max = self.info, self._k
         plain = speculated = 0.0
@@ -295,7 +301,7 @@ class Scheduler:
         for k, r in enumerate(self._running):
             if r is None:
                 continue
-            if len(r.feed) != 1 or r.spec is None or (r.prompt_logprobs and r.pos < len(r.prompt)):
+            if len(r.feed) != 1 or r.spec is None or not self._spec_on or (r.prompt_logprobs and r.pos < len(r.prompt)):
                 plain += min(self.tokens, len(r.feed))  # a prompt's tokens fed a step
                 speculated += min(self._vrows, len(r.feed))
                 continue
@@ -352,6 +358,14 @@ class Scheduler:
                 q.slot, q.pos, q.feed = kq, 0, list(q.prompt)
                 self._running[kq] = q
             return
+        if self.prefixes is not None and not r.siblings and not r.prompt_logprobs:
+            # the rest goes K + 1 (or C) tokens a step: at most 8 steps of it, else a prefill
+            entry, m = self.prefixes.match(r.prompt, 8 * (self._vrows if self._can_verify else self.tokens))
+            if entry >= 0:  # its first m positions from the pool; the rest through the steps
+                self.session.load_prefix(entry, k, m)
+                r.slot, r.pos, r.feed = k, m, list(r.prompt[m:])
+                self._running[k] = r
+                return
         n = min(len(r.prompt), info.prefill_len)
         self._prompt[:] = 0
         self._prompt[0, :n] = np.asarray(r.prompt[:n], dtype=np.int64)
@@ -363,6 +377,8 @@ class Scheduler:
             self._slot[0] = k
             feeds[SLOT] = self._slot
         rows = logits_f32(self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0])
+        if self.prefixes is not None and (entry := self.prefixes.place(r.prompt[:n])) >= 0:
+            self.session.save_prefix(k, entry, n)
         logits = rows[0 if info.last_token else n - 1]
         if r.prompt_logprobs:  # row i scores prompt token i + 1
             r.prompt_lp = [token_logprobs(rows[i], r.prompt[i + 1], r.logprobs) for i in range(min(n, len(r.prompt) - 1))]

@@ -807,6 +807,16 @@ def build(om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | 
                   "# TYPE npuc_draft_acceptance_rate gauge", f"npuc_draft_acceptance_rate {sp.acceptance:.4f}",
                   "# HELP npuc_tokens_per_step Tokens a decode step gave, on average.",
                   "# TYPE npuc_tokens_per_step gauge", f"npuc_tokens_per_step {sp.tokens_per_step:.4f}"]
+        book = engine.sched.prefixes  # prefix reuse (apps/prefix_cache.py), where the model has a pool
+        if book is not None:
+            lines += ["# HELP npuc_prefix_cache_hits_total Prompts that reused a cached prefix.",
+                      "# TYPE npuc_prefix_cache_hits_total counter", f"npuc_prefix_cache_hits_total {book.stats.hits}",
+                      "# HELP npuc_prefix_cache_misses_total Prompts prefilled whole.",
+                      "# TYPE npuc_prefix_cache_misses_total counter",
+                      f"npuc_prefix_cache_misses_total {book.stats.misses}",
+                      "# HELP npuc_prefix_cache_tokens_saved_total Prompt positions loaded instead of computed.",
+                      "# TYPE npuc_prefix_cache_tokens_saved_total counter",
+                      f"npuc_prefix_cache_tokens_saved_total {book.stats.tokens_saved}"]
         lines += m.ttft.render() + m.itl.render()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

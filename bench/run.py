@@ -651,8 +651,9 @@ SAMPLING_BEGIN, SAMPLING_END = "<!-- bench/sampling_ab.py -->", "<!-- /bench/sam
 RECURRENT_BEGIN, RECURRENT_END = "<!-- bench/recurrent_ab.py -->", "<!-- /bench/recurrent_ab.py -->"
 LONG_BEGIN, LONG_END = "<!-- bench/long_context.py -->", "<!-- /bench/long_context.py -->"
 # Sections other scripts write into the report, which this run does not measure: kept.
+SPEC_BEGIN, SPEC_END = "<!-- bench/speculative.py -->", "<!-- /bench/speculative.py -->"
 KEPT_SECTIONS = ((NATIVE_BEGIN, NATIVE_END), (SAMPLING_BEGIN, SAMPLING_END), (RECURRENT_BEGIN, RECURRENT_END),
-                 (LONG_BEGIN, LONG_END))
+                 (LONG_BEGIN, LONG_END), (SPEC_BEGIN, SPEC_END))
 
 
 def write_section(doc: Path, begin: str, end: str, section: str) -> None:

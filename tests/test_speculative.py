@@ -79,7 +79,7 @@ def test_greedy_output_is_unchanged_by_speculation(arch: str, spec_models: dict[
     want, plain = _run(s, PROMPTS, SpeculativeConfig(method="off"))
     got, stats = _run(s, PROMPTS, ALWAYS)
     assert got == want
-    assert plain.verify_steps == 0 and stats.verify_steps > 0 and stats.drafted > 0
+    assert plain.drafted == 0 and stats.verify_steps > 0 and stats.drafted > 0
     assert stats.tokens == plain.tokens and stats.steps < plain.steps or stats.accepted == 0
 
 
@@ -160,3 +160,55 @@ def test_speculative_config_is_checked() -> None:
     with pytest.raises(NpucError) as e:
         SpeculativeConfig(method="medusa").check()
     assert e.value.code == "NPUC-E0162"
+
+
+# -- prefix reuse (apps/prefix_cache.py) ----------------------------------------------------------
+
+SYSTEM = [(7 * i + 3) % 120 + 5 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pool")
+    save_checkpoint("llama", str(root / "llama"))
+    return Path(compile_model(str(root / "llama"), input_shape="input_ids:2,32", max_seq_len=96, speculative_tokens=7,
+                              prefix_cache=2, output=str(root / "pooled")))
+
+
+def _answers(s: Any, prompts: list[list[int]], reuse: bool) -> tuple[list[list[int]], Any]:
+    """Each prompt decoded after the ones before it ended, with the prefix pool or without."""
+    sched = Scheduler(s, speculative=SpeculativeConfig(method="off"))
+    if not reuse:
+        sched.prefixes = None
+    out = []
+    for p in prompts:
+        rid = sched.submit(p, 12, True)
+        while not sched.idle:
+            sched.step()
+        out.append(sched.requests[rid].tokens)
+    return out, sched.prefixes
+
+
+@pytest.mark.parametrize("kind", [pytest.param("c", marks=native), "torch"])
+def test_a_shared_prefix_is_reused_with_the_same_answers(kind: str, pooled: Path) -> None:
+    s = NativeSession(str(pooled)) if kind == "c" else Session.load(str(pooled), use_native=False)
+    prompts = [SYSTEM + [9, 8, 7], SYSTEM + [40, 41, 42, 43], SYSTEM[:20] + [1] + SYSTEM[21:] + [6, 6],
+               SYSTEM[:10] + [2] + SYSTEM[11:] + [5]]
+    want, _ = _answers(s, prompts, reuse=False)
+    got, book = _answers(s, prompts, reuse=True)
+    assert got == want
+    # 2nd: all 24 shared positions; 3rd: the 20 before its changed token; 4th: 10 < min_tokens, a miss
+    assert (book.stats.hits, book.stats.misses, book.stats.tokens_saved) == (2, 2, 24 + 20)
+
+
+def test_prefix_book_entries_and_eviction() -> None:
+    from npuc.apps.prefix_cache import PrefixBook
+
+    book = PrefixBook(2, min_tokens=2)
+    assert book.place([1, 2, 3]) == 0 and book.place([4, 5, 6]) == 1
+    assert book.place([1, 2]) == -1  # entry 0 holds it already
+    assert book.match([1, 2, 3, 9], 8) == (0, 3)  # entry 0 is now the most recently used
+    assert book.place([7, 8, 9]) == 1  # evicts the least recently used
+    assert book.place([1, 2, 3, 4]) == 0  # extends what entry 0 holds
+    assert book.match([1, 2, 3, 4], 8) == (0, 3)  # the last prompt token is always fed
+    assert book.match([1, 2, 3, 4] + [0] * 20, 8) == (-1, 0)  # too much left to feed: a prefill
