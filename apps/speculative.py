@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from npuc.errors import EXIT_USAGE, NpucError
 
-VERIFY = "verify"  # the program --speculative_tokens compiles (compiler/driver.py)
+VERIFY = "verify"  # the program --speculative_tokens compiles (compiler/flag_checks.py)
 METHODS = ("ngram", "off")
 
 

@@ -25,9 +25,9 @@ file is under a checksum, and the table's SHA-256 covers them all.
 The table precedes the payloads yet holds their digests, so `OmWriter` lays the
 file out first, writes each payload at its offset and then the table and header.
 A streamed payload is hashed as it is written: a chunk that is a byte range of a
-file (`FileRange`: a weight as safetensors or ONNX external data store it) is read
-once, in blocks; each block is hashed, handed to the input model's hash
-(`FileSequenceHash`, on its own thread) and written from that same buffer. Late
+file (`FileRange`: a weight as safetensors or ONNX external data store it) is copied
+by backend/om_copy.py (`RangeCopy`: in the kernel, each block then hashed from the
+output's page cache and handed to the input model's hash, `FileSequenceHash`). Late
 sections (the metadata holding that hash, the chunk digests) are written after the
 others. The writer writes to a temporary file and renames it into place, so readers
 never see a half-written file. `OmFile` checks the whole structure and every header
@@ -37,26 +37,30 @@ chunk), and only ever hands out bytes: nothing is unpickled or executed.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import functools
 import hashlib
-import math
 import mmap
 import os
-import queue
 import re
 import stat
 import struct
 import tempfile
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import xxhash
 
+from npuc.backend.om_copy import (
+    E_BOUNDS,
+    E_OPEN,
+    Chunk,
+    FileRange,
+    FileSequenceHash,
+    RangeCopy,
+    pwrite_all,
+    read_into,
+)
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
 __all__ = [
@@ -96,10 +100,8 @@ ENTRY_SIZE = _ENTRY.size
 _REQUIRED_ALIGN = {"weights": WEIGHTS_ALIGN}
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,16}")
 
-E_OPEN = "NPUC-E0401"
 E_MAGIC = "NPUC-E0402"
 E_VERSION = "NPUC-E0403"
-E_BOUNDS = "NPUC-E0404"
 E_CHECKSUM = "NPUC-E0405"
 E_WRITE = "NPUC-E0406"
 
@@ -128,266 +130,6 @@ class SectionInfo:
 
 
 # --- writing ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """A payload chunk that is `length` bytes of the file `path` from `offset` (a weight as
-    safetensors or ONNX external data store it). The writer reads it once, in blocks, and
-    hashes and writes each block from that read; `what` names it in errors."""
-
-    path: str
-    offset: int
-    length: int
-    what: str = "data"
-
-    def __len__(self) -> int:  # counted like the bytes it stands for
-        return self.length
-
-    def chunks(self) -> Iterator[bytes]:
-        """The bytes themselves, read in blocks (for a reader that wants them in memory)."""
-        try:
-            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a fifo's open() would block; a device never ends
-                raise _cannot_read(self, OSError(0, "not a regular file"))
-            with open(self.path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if self.offset + self.length > size:
-                    raise _ended_early(self, size)
-                f.seek(self.offset)
-                left = self.length
-                while left:
-                    chunk = f.read(min(_BLOCK, left))
-                    if not chunk:
-                        raise _ended_early(self)
-                    left -= len(chunk)
-                    yield chunk
-        except OSError as e:
-            raise _cannot_read(self, e) from None
-
-
-Chunk = bytes | bytearray | memoryview | FileRange
-
-_BLOCK = 8 << 20  # bytes per read of a file range (os.preadv and xxhash let go of the GIL on each)
-_BUFFERS = 8  # blocks the input model's hash may hold before the writer reads on without handing over
-
-
-def _cannot_read(r: FileRange, e: OSError) -> NpucError:
-    return NpucError(E_OPEN, f"cannot read {r.path!r} ({r.what}): {e.strerror or e}",
-                     "keep the weights files beside the model", exit_code=EXIT_IO)
-
-
-def _ended_early(r: FileRange, size: int | None = None) -> NpucError:
-    have = "ended early" if size is None else f"has {size} bytes"
-    return NpucError(E_BOUNDS, f"{r.what}: {r.path!r} {have}, it needs bytes {r.offset}..{r.offset + r.length}",
-                     "the weights file is truncated", exit_code=EXIT_IO)
-
-
-def _read_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill `buf` from `offset`; fewer bytes only at the end of the file."""
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done) if hasattr(os, "preadv") else _pread_into(
-            fd, buf[done:], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    data = os.pread(fd, len(buf), offset)
-    buf[: len(data)] = data
-    return len(data)
-
-
-def _pwrite(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _write_behind(fd: int, offset: int, n: int) -> None:
-    """Start putting these just-written bytes on disk now, so the closing fsync waits for
-    the last of them only (Linux starts writeback of dirty pages on DONTNEED; pages
-    still dirty stay cached)."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-
-
-def _chain(spans: Sequence[tuple[int, int]]) -> list[int]:
-    """Indices of the spans (start, end), in their order, whose starts do not go back and
-    that do not overlap, with the most bytes in all (a weighted longest increasing run)."""
-    best: list[tuple[int, int, int]] = []  # (end, bytes of the best chain ending there, its last span)
-    prev: list[int] = []
-    total: list[int] = []
-    for i, (s, e) in enumerate(spans):
-        j = bisect.bisect_right(best, (s, math.inf, math.inf)) - 1  # the best chain ending at or before s
-        total.append(e - s + (best[j][1] if j >= 0 else 0))
-        prev.append(best[j][2] if j >= 0 else -1)
-        k = bisect.bisect_left(best, (e, -1, -1))
-        if k > 0 and best[k - 1][1] >= total[i]:
-            continue  # a chain ending earlier already holds as much
-        while k < len(best) and best[k][1] <= total[i]:
-            del best[k]  # ends no earlier, holds no more
-        best.insert(k, (e, total[i], i))
-    out, i = [], best[-1][2] if best else -1
-    while i >= 0:
-        out.append(i)
-        i = prev[i]
-    return out[::-1]
-
-
-class FileSequenceHash:
-    """XXH3-128 over whole files, each after its prefix, as if concatenated in order (the
-    input model's hash), on a thread of its own.
-
-    `ranges` are the file ranges a writer will read, in the writer's order. Those of them
-    that come in this hash's order (the run of them with the most bytes) are hashed from
-    the writer's reads, as it hands them over (`wants`, `give`, `skip`); the thread reads
-    everything else itself, meanwhile. Once the writer is `done`, whatever it did not hand
-    over is read here too, so a writer that reads otherwise only costs a second read."""
-
-    def __init__(self, files: Sequence[tuple[str, bytes]], ranges: Sequence[FileRange] = ()) -> None:
-        self._files = [p for p, _ in files]
-        self._prefix = [b for _, b in files]
-        self._sizes = [os.path.getsize(p) for p in self._files]
-        self._index = {p: i for i, p in enumerate(self._files)}
-        base = [sum(self._sizes[:i]) for i in range(len(self._files))]
-        spans = [(self._index[r.path], r.offset, r.offset + r.length) for r in ranges
-                 if r.path in self._index and r.length and r.offset + r.length <= self._sizes[self._index[r.path]]]
-        # (file, start, end) of the ranges taken from the writer, in its order and in this one
-        self._taken = [spans[i] for i in _chain([(base[f] + s, base[f] + e) for f, s, e in spans])]
-        self._next = 0  # the taken range handed over next, and where in it
-        self._expect = self._taken[0][1] if self._taken else 0
-        self._at = (0, -1)  # hashed up to (file, offset); -1: before the file's prefix
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._h = xxhash.xxh3_128()
-        self._buf = memoryview(bytearray(_BLOCK))
-        self._fd: tuple[int, int] | None = None
-        self._error: BaseException | None = None
-        self._digest: str | None = None
-        self.cancelled = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="npuc-source-hash", daemon=True)
-
-    def start(self) -> None:
-        if self._thread.ident is None:
-            self._thread.start()
-
-    # -- the writer's side (one thread) -------------------------------------------------
-
-    def wants(self, r: FileRange, offset: int) -> bool:
-        """Whether the block the writer reads next, at `offset` of `r`, is to be handed over."""
-        if self._next >= len(self._taken) or self._error is not None or self.cancelled.is_set():
-            return False
-        return self._taken[self._next] == (self._index.get(r.path), r.offset, r.offset + r.length) \
-            and offset == self._expect
-
-    def give(self, block: memoryview, release: Callable[[], None]) -> None:
-        """Hand over the wanted block; `release` is called once it is hashed."""
-        self._jobs.put((block, release))
-        self._advance(len(block))
-
-    def skip(self, n: int) -> None:
-        """The wanted block, `n` bytes, is not handed over: the thread reads it itself."""
-        self._jobs.put((None, n))
-        self._advance(n)
-
-    def _advance(self, n: int) -> None:
-        self._expect += n
-        if self._expect >= self._taken[self._next][2]:
-            self._next += 1
-            self._expect = self._taken[self._next][1] if self._next < len(self._taken) else 0
-
-    def done(self) -> None:
-        """The writer hands over nothing more."""
-        self._jobs.put(None)
-
-    # -- the thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        handing = True  # the writer may still hand blocks over
-        try:
-            for f, s, e in [*self._taken, (len(self._files), -1, -1)]:
-                self._read_to((f, s))
-                at = s
-                while at < e and not self.cancelled.is_set():
-                    job = self._jobs.get() if handing else None
-                    if job is None:  # the writer is done: read the rest of the range here
-                        handing = False
-                        self._read_to((f, e))
-                        break
-                    block, more = job
-                    if block is None:
-                        self._read_to((f, at + more))
-                        at += more
-                    else:
-                        try:
-                            self._h.update(block)
-                        finally:
-                            more()
-                        at += len(block)
-                        self._at = (f, at)
-        except BaseException as e:  # raised again in hexdigest
-            self._error = e
-        finally:
-            self._close()
-            with contextlib.suppress(queue.Empty):
-                while True:  # release what the writer handed over after an error or a cancel
-                    job = self._jobs.get_nowait()
-                    if job is not None and job[0] is not None:
-                        job[1]()
-
-    def _read_to(self, to: tuple[int, int]) -> None:
-        """Hash from the cursor up to `to` (a file index and offset), reading the files."""
-        while self._at < to:
-            if self.cancelled.is_set():
-                raise InternalError("the hash was cancelled")
-            i, off = self._at
-            if off < 0:
-                self._h.update(self._prefix[i])
-                self._at = (i, 0)
-                continue
-            end = to[1] if to[0] == i else self._sizes[i]
-            if off >= end:
-                self._at = (i + 1, -1)
-                continue
-            if self._fd is None or self._fd[0] != i:
-                self._close()
-                try:
-                    self._fd = (i, os.open(self._files[i], os.O_RDONLY))
-                except OSError as e:
-                    raise _cannot_read(FileRange(self._files[i], 0, self._sizes[i], "the model's hash"), e) from None
-            n = _read_into(self._fd[1], self._buf[: min(_BLOCK, end - off)], off)
-            if n == 0:
-                raise _ended_early(FileRange(self._files[i], off, end - off, "the model's hash"))
-            self._h.update(self._buf[:n])
-            self._at = (i, off + n)
-
-    def _close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd[1])
-            self._fd = None
-
-    def hexdigest(self) -> str:
-        """The hash, once every file is read to its end (waits for the thread)."""
-        if self._digest is None:
-            self.done()
-            self.start()
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
-            if self.cancelled.is_set():
-                raise InternalError("the hash was cancelled")
-            self._digest = self._h.hexdigest()
-        return self._digest
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        self._jobs.put(None)
-        if self._thread.ident is not None:
-            self._thread.join(timeout=10)
 
 
 class _ChunkDigests:
@@ -443,80 +185,6 @@ class _Sha256:
 
     def digest(self) -> bytes:
         return self._h.digest()
-
-
-class _Copy:
-    """Writes a streamed section's chunks at their place in the output, reading each byte
-    of a file range once: a block is read into a buffer, hashed there (`digests`), handed
-    to `also` (the input model's hash, on its thread) where it wants it, and written from
-    that same buffer. No byte is read twice, by the kernel or by us."""
-
-    def __init__(self, dst: int, digests: _ChunkDigests | _Sha256, also: FileSequenceHash | None) -> None:
-        self._dst = dst
-        self._digests = digests
-        self._also = also
-        self._fds: dict[str, tuple[int, int]] = {}  # path -> (descriptor, size)
-        self._own = memoryview(bytearray(_BLOCK))
-        # Buffers the model's hash holds until it has hashed them (then it puts them back).
-        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-        for _ in range(_BUFFERS):
-            self._free.put(memoryview(bytearray(_BLOCK)))
-
-    def write(self, data: memoryview, dst_off: int) -> None:
-        self._digests.update(data)
-        _pwrite(self._dst, data, dst_off)
-
-    def copy(self, r: FileRange, dst_off: int) -> None:
-        if r.path not in self._fds:
-            try:
-                if not stat.S_ISREG(os.stat(r.path).st_mode):  # a fifo's open() would block
-                    raise OSError(0, "not a regular file")
-                fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:
-                raise _cannot_read(r, e) from None
-            self._fds[r.path] = (fd, os.fstat(fd).st_size)
-            if hasattr(os, "posix_fadvise"):
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
-        src, size = self._fds[r.path]
-        if r.offset + r.length > size:
-            raise _ended_early(r, size)
-        off, end = r.offset, r.offset + r.length
-        while off < end:
-            hand = self._also is not None and self._also.wants(r, off)
-            buf = self._spare() if hand else None  # none spare: the model's hash reads the block itself
-            view = (self._own if buf is None else buf)[: min(_BLOCK, end - off)]
-            try:
-                n = _read_into(src, view, off)
-            except OSError as e:
-                if buf is not None:
-                    self._free.put(buf)
-                raise _cannot_read(r, e) from None
-            if n == 0:
-                if buf is not None:
-                    self._free.put(buf)
-                raise _ended_early(r)
-            block = view[:n]
-            self._digests.update(block)
-            if hand:
-                assert self._also is not None
-                if buf is None:
-                    self._also.skip(n)
-                else:  # it only reads the buffer, and gives it back once hashed
-                    self._also.give(block, functools.partial(self._free.put, buf))
-            _pwrite(self._dst, block, dst_off + off - r.offset)
-            off += n
-
-    def _spare(self) -> memoryview | None:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            return None
-
-    def close(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 @dataclass(frozen=True)
@@ -678,7 +346,7 @@ class OmWriter:
                     MAGIC, FORMAT_VERSION, 0, len(sections), 0, hashlib.sha256(table).digest(), bytes(8)
                 )
                 with self._io():
-                    _pwrite(fd, header + table, 0)
+                    pwrite_all(fd, header + table, 0)
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -706,7 +374,7 @@ class OmWriter:
         try:
             for i, (sec, off) in enumerate(zip(sections, offsets, strict=True)):
                 with self._io():
-                    _pwrite(fd, bytes(off - pos), pos)
+                    pwrite_all(fd, bytes(off - pos), pos)
                 pos = off + sec.size
                 if sec.produce is not None:
                     late.append(i)
@@ -714,7 +382,7 @@ class OmWriter:
                 digester = _ChunkDigests() if sec.name == WEIGHTS else _Sha256()
                 if sec.data is not None:
                     with self._io():
-                        _pwrite(fd, sec.data, off)
+                        pwrite_all(fd, sec.data, off)
                     digester.update(memoryview(sec.data))
                 else:
                     self._write_streamed(fd, sec, off, digester)
@@ -731,7 +399,7 @@ class OmWriter:
                     raise InternalError(f"section '{sections[i].name}' declared {sections[i].size} bytes "
                                         f"but produced {len(data)}")
                 with self._io():
-                    _pwrite(fd, data, offsets[i])
+                    pwrite_all(fd, data, offsets[i])
                 digests[i] = hashlib.sha256(data).digest()
         except BaseException:
             for sec in sections:
@@ -743,7 +411,7 @@ class OmWriter:
     def _write_streamed(self, fd: int, sec: _Pending, off: int, digester: _ChunkDigests | _Sha256) -> None:
         """Write a streamed section's chunks, hashing each from the buffer it is written from."""
         assert sec.chunks is not None
-        copy = _Copy(fd, digester, sec.also)
+        copy = RangeCopy(fd, digester, sec.also)
         written = 0
         if sec.also is not None:
             sec.also.start()  # it reads what it will not be handed meanwhile
@@ -767,7 +435,6 @@ class OmWriter:
                         copy.copy(chunk, off + written)
                     else:
                         copy.write(chunk, off + written)
-                _write_behind(fd, off + written, n)
                 written += n
             if written != sec.size:
                 raise InternalError(f"section '{sec.name}' declared {sec.size} bytes but its chunks hold {written}")
@@ -1019,7 +686,7 @@ def _verify_weights(path: str, fd: int, weights: SectionInfo, mm: mmap.mmap, tab
         done = 0
         while done < n:  # in pieces of the buffer, should a chunk be larger than it
             try:
-                got = _read_into(fd, buf[:min(len(buf), n - done)], start + done)
+                got = read_into(fd, buf[:min(len(buf), n - done)], start + done)
             except OSError as e:
                 raise _cannot_open(path, e.strerror or str(e)) from e
             if got == 0:

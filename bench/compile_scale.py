@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -309,6 +310,11 @@ def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLi
         res["npuc_peak_rss_over_weights"] = f["npuc_compile"]["peak_rss_bytes"] / f["weight_bytes"]
         res["npuc_wall_over_copy"] = f["npuc_compile"]["wall_s"] / f["copy"]["wall_s"]
         res["npuc_wall_over_copy_fsync"] = f["npuc_compile"]["wall_s"] / f["copy_fsync"]["wall_s"]
+        # the same, as the median of each round's ratio: the disk's speed drifts between rounds
+        per_round = [a / b for a, b in zip(f["npuc_compile"]["wall_s_runs"], f["copy_fsync"]["wall_s_runs"],
+                                           strict=True)]
+        res["npuc_over_copy_fsync_rounds"] = [round(r, 3) for r in per_round]
+        res["npuc_over_copy_fsync_median"] = statistics.median(per_round)
         return res
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 from npuc.backend.lower import lower
 from npuc.backend.targets import check_dtypes, check_fits, dtypes_used, get_target
 from npuc.compiler import instrument
-from npuc.compiler.driver import (
-    _decode_inputs,
-    build_graph,
+from npuc.compiler.driver import _decode_inputs, build_graph, pipelines, read_keep_dtype, select_outputs
+from npuc.compiler.flag_checks import (
     check_decode_tokens,
     check_input_format,
     check_input_layout,
@@ -29,9 +28,6 @@ from npuc.compiler.driver import (
     check_prefill_logits,
     check_prefix_cache,
     check_speculative_tokens,
-    pipelines,
-    read_keep_dtype,
-    select_outputs,
 )
 from npuc.compiler.rope_scaling import cache_length
 from npuc.errors import NpucError

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -25,6 +26,7 @@ import xxhash
 from hf_models import ARCHS
 from test_fusion_passes import assert_same_numerics
 
+import npuc.backend.om_copy as om_copy
 import npuc.backend.om_format as om_format
 from npuc.backend.om_format import WEIGHTS_ALIGN, FileRange, FileSequenceHash, OmFile, OmWriter
 from npuc.compiler import driver
@@ -113,7 +115,7 @@ def test_decodable_checks_come_before_the_trace(hf_checkpoints: dict[str, Path],
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> int:
     """Blocks of 4099 bytes, so a range spans many and ends inside one."""
-    monkeypatch.setattr(om_format, "_BLOCK", 4099)
+    monkeypatch.setattr(om_copy, "_BLOCK", 4099)
     return 4099
 
 
@@ -145,10 +147,29 @@ def _mixed(src: Path) -> list[Any]:
     return [b"\0" * 64, r[0], memoryview(b"in memory"), r[1], r[2], r[3], bytearray(b"\1" * 4096), r[4]]
 
 
+def _no_kernel_copy(monkeypatch: pytest.MonkeyPatch, how: str) -> list[int]:
+    """Make copy_file_range refuse (EXDEV, as between filesystems) or report nothing
+    copied (as some filesystems do); returns the list its calls are counted in."""
+    calls = [0]
+
+    def refuse(*args: Any) -> int:
+        calls[0] += 1
+        if how == "EXDEV":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return 0
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("copy", ["kernel", "EXDEV", "copies nothing"])
 def test_file_ranges_are_written_and_hashed_as_their_bytes(tmp_path: Path, small_blocks: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 KiB chunks, so chunk, block and range boundaries all fall at different places."""
+                                                          monkeypatch: pytest.MonkeyPatch, copy: str) -> None:
+    """4 KiB chunks, so chunk, block and range boundaries all fall at different places;
+    copied by the kernel, or by reads and writes where the kernel cannot copy."""
     monkeypatch.setattr(om_format, "CHUNK_SIZE", 4096)
+    if copy != "kernel":
+        calls = _no_kernel_copy(monkeypatch, copy)
     src = _source(tmp_path, "w.bin", 100_000, 0)
     chunks = _mixed(src)
     _write(tmp_path / "ranges.om", chunks)
@@ -159,29 +180,60 @@ def test_file_ranges_are_written_and_hashed_as_their_bytes(tmp_path: Path, small
         assert bytes(f.section("weights")) == payload
         digests = bytes(f.section("weights.xxh3"))[16:]
     assert digests == b"".join(xxhash.xxh3_128_digest(payload[k:k + 4096]) for k in range(0, len(payload), 4096))
+    if copy != "kernel":
+        assert calls[0] == 1  # tried once, then never again in that write
 
 
-def test_each_byte_of_a_range_is_read_once(tmp_path: Path, small_blocks: int,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copy is its own hash's read: no kernel copy (which would need a second read to
-    hash), and every range byte read once, by the writer."""
+@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="no copy_file_range on this platform")
+def test_the_kernel_copies_and_the_hash_reads_the_output(tmp_path: Path, small_blocks: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every range byte is copied by the kernel, and hashed from a read of the output
+    (its page cache), never by reading the source in user space: the source is read from
+    the disk once."""
     src = _source(tmp_path, "w.bin", 100_000, 1)
     chunks = _mixed(src)
+    copied = [0]
+    real_copy = os.copy_file_range
 
-    def refuse(*args: Any) -> int:
-        raise AssertionError("a kernel copy: the bytes would be read again to hash them")
+    def counting_copy(fd_in: int, fd_out: int, n: int, off_in: int, off_out: int) -> int:
+        got = real_copy(fd_in, fd_out, n, off_in, off_out)
+        copied[0] += got
+        return got
 
-    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setattr(os, "sendfile", refuse, raising=False)
+    read: dict[str, int] = {}
+    real = om_copy.read_into
+
+    def counting(fd: int, buf: memoryview, offset: int) -> int:
+        n = real(fd, buf, offset)
+        which = "source" if os.path.samefile(f"/proc/self/fd/{fd}", src) else "output"
+        read[which] = read.get(which, 0) + n
+        return n
+
+    monkeypatch.setattr(os, "copy_file_range", counting_copy)
+    monkeypatch.setattr(om_copy, "read_into", counting)
+    _write(tmp_path / "m.om", chunks)
+    in_ranges = sum(c.length for c in chunks if isinstance(c, FileRange))
+    assert copied[0] == in_ranges and read == {"output": in_ranges}
+    monkeypatch.undo()
+    _write(tmp_path / "ref.om", [_payload([c]) for c in chunks])
+    assert (tmp_path / "m.om").read_bytes() == (tmp_path / "ref.om").read_bytes()
+
+
+def test_without_a_kernel_copy_each_byte_is_read_once(tmp_path: Path, small_blocks: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffered copy is its own hash's read: every range byte read once, by the writer."""
+    src = _source(tmp_path, "w.bin", 100_000, 1)
+    chunks = _mixed(src)
+    _no_kernel_copy(monkeypatch, "EXDEV")
     read = [0]
-    real = om_format._read_into
+    real = om_copy.read_into
 
     def counting(fd: int, buf: memoryview, offset: int) -> int:
         n = real(fd, buf, offset)
         read[0] += n
         return n
 
-    monkeypatch.setattr(om_format, "_read_into", counting)
+    monkeypatch.setattr(om_copy, "read_into", counting)
     _write(tmp_path / "m.om", chunks)
     assert read[0] == sum(c.length for c in chunks if isinstance(c, FileRange))
     monkeypatch.undo()
@@ -204,35 +256,36 @@ def test_the_model_hash_comes_from_the_copy_reads(tmp_path: Path, small_blocks: 
     the longest range; when the writer reads what was not planned, or has no buffer to
     spare (the hash thread is behind), the hash thread reads it all."""
     # Enough buffers that the writer never has to skip handing a block over, or none.
-    monkeypatch.setattr(om_format, "_BUFFERS", 0 if order == "no spare buffer" else 64)
+    monkeypatch.setattr(om_copy, "_BUFFERS", 0 if order == "no spare buffer" else 64)
     head = _source(tmp_path, "a.json", 1000, 2)
     data = _source(tmp_path, "b.bin", 120_000, 3)
     spans = [(16, 40_000), (40_016, 50_000), (90_016, 29_984)]  # all but a 16-byte header
     ranges = _ranges(data, spans if order != "reversed" else spans[::-1])
     files = [(head, b"a\0"), (data, b"b\0")]
     read_by: dict[str, int] = {}
-    real = om_format._read_into
+    real = om_copy.read_into
 
     def counting(fd: int, buf: memoryview, offset: int) -> int:
         n = real(fd, buf, offset)
         read_by[threading.current_thread().name] = read_by.get(threading.current_thread().name, 0) + n
         return n
 
-    monkeypatch.setattr(om_format, "_read_into", counting)
+    monkeypatch.setattr(om_copy, "read_into", counting)
     planned = {"unplanned": _ranges(data, [(0, 5)]), "none": []}.get(order, ranges)
     also = FileSequenceHash([(str(p), b) for p, b in files], planned)
     _write(tmp_path / "m.om", [b"x" * 10, *(ranges if order != "none" else [])], also)
     assert also.hexdigest() == _reference_hash(files)
     own = {"file order": 1000 + 16, "reversed": 1000 + 40_016 + 29_984}.get(order, 1000 + 120_000)
     assert read_by.get("npuc-source-hash", 0) == own
-    assert read_by.get(threading.current_thread().name, 0) == sum(r.length for r in ranges) * (order != "none")
+    by_writer = sum(n for name, n in read_by.items() if name != "npuc-source-hash")  # its own or its hash thread
+    assert by_writer == sum(r.length for r in ranges) * (order != "none")
 
 
 def test_the_longest_run_in_file_order_is_taken() -> None:
     spans = [(100, 200), (0, 10), (10, 20), (200, 300), (20, 150), (300, 310), (310, 900)]
     # (100,200) (200,300) (300,310) (310,900): 800 bytes; the longer run from (0,10) holds 750
-    assert om_format._chain(spans) == [0, 3, 5, 6]
-    assert om_format._chain([]) == [] and len(om_format._chain([(5, 9), (0, 4)])) == 1
+    assert om_copy._chain(spans) == [0, 3, 5, 6]
+    assert om_copy._chain([]) == [] and len(om_copy._chain([(5, 9), (0, 4)])) == 1
 
 
 def test_source_hash_matches_the_formula(tmp_path: Path) -> None:
