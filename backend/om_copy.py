@@ -357,7 +357,8 @@ class RangeCopy:
                     pending = self._pool.submit(self._hash_back, r, off, n, at)
                 else:
                     if pending is not None:
-                        pending, last = None, pending
+                        last: concurrent.futures.Future[None] = pending
+                        pending = None
                         last.result()
                     n = self._buffered(r, src, off, min(_BLOCK, end - off), at)
                 off += n

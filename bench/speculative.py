@@ -7,9 +7,10 @@ Prompts (token ids, so any vocabulary serves):
 - copy: a 64-token block, then the block again cut short: where the model continues the
   copy, n-gram drafts are right;
 - plain: 128 distinct ids, no repeats: drafts come only from what the model itself repeats;
-- sampled: the plain prompt sampled at temperature 1 (seeded): drafts are rarely accepted, and
-  speculation must switch itself off (where a draft is checked, the samples may differ from the plain run's;
-  their distribution does not).
+- sampled: the plain prompt sampled at temperature 1 (seeded): drafts are rarely found;
+- rejected: the copy prompt sampled at temperature 1 with 1-gram drafts: drafts are found at
+  almost every step and almost all rejected, so speculation must switch itself off (where a
+  draft is checked, the samples may differ from the plain run's; their distribution does not).
 Prints one JSON line per prompt: tokens/s of each, the ratio (median over rounds), and the
 speculative run's acceptance rate and tokens per step. The greedy tokens of both are
 compared (they must be equal).
@@ -45,9 +46,12 @@ def main() -> None:
     block = [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 64, replace=False)]
     prompts = {"copy": block + block[:24], "plain": [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 128,
                                                                                replace=False)]}
-    cases = [("copy", prompts["copy"], GREEDY), ("plain", prompts["plain"], GREEDY),
-             ("sampled", prompts["plain"], SamplingParams(temperature=1.0, seed=1))]
-    for name, prompt, sampling in cases:
+    hot = SamplingParams(temperature=1.0, seed=1)
+    cases = [("copy", prompts["copy"], GREEDY, {}), ("plain", prompts["plain"], GREEDY, {}),
+             ("sampled", prompts["plain"], hot, {}),
+             # drafts found (any token seen before, 1-grams) but sampled away: auto-off's case
+             ("rejected", prompts["copy"], hot, {"ngram_min": 1})]
+    for name, prompt, sampling, extra in cases:
         times: dict[str, list[float]] = {"off": [], "ngram": []}
         outs: dict[str, list[int]] = {}
         stats = SpeculationStats()
@@ -56,7 +60,7 @@ def main() -> None:
                 st = SpeculationStats()
                 t = time.perf_counter()
                 out = generate_many(s, [prompt], args.new, True, sampling,
-                                    speculative=SpeculativeConfig(method=method), stats=st)[0]
+                                    speculative=SpeculativeConfig(method=method, **extra), stats=st)[0]
                 times[method].append(time.perf_counter() - t)
                 outs[method] = out
                 if method == "ngram":
