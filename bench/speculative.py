@@ -1,16 +1,17 @@
 """Speculative decoding against plain decode on one .om compiled with --speculative_tokens K:
 the same prompts decoded with `--speculative off` and `ngram`, timed in turn, one process.
 
-    python bench/speculative.py MODEL.om [--rounds 5] [--new 128] [--threads 2]
+    python bench/speculative.py MODEL.om [--rounds 5] [--new 128] [--threads 2] [--cases copy,rejected]
 
 Prompts (token ids, so any vocabulary serves):
 - copy: a 64-token block, then the block again cut short: where the model continues the
   copy, n-gram drafts are right;
 - plain: 128 distinct ids, no repeats: drafts come only from what the model itself repeats;
 - sampled: the plain prompt sampled at temperature 1 (seeded): drafts are rarely found;
-- rejected: the copy prompt sampled at temperature 1 with 1-gram drafts: drafts are found at
-  almost every step and almost all rejected, so speculation must switch itself off (where a
-  draft is checked, the samples may differ from the plain run's; their distribution does not).
+- rejected: the copy prompt sampled at temperature 1 with 1-gram drafts (a draft wherever the
+  last token occurred before): drafts that are checked are mostly rejected, and speculation must
+  switch itself off (where a draft is checked, the samples may differ from the plain run's; their
+  distribution does not).
 Prints one JSON line per prompt: tokens/s of each, the ratio (median over rounds), and the
 speculative run's acceptance rate and tokens per step. The greedy tokens of both are
 compared (they must be equal).
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cases", default="copy,plain,sampled,rejected", help="which prompts, comma-separated")
     args = ap.parse_args()
     os.environ.setdefault("NPUC_NUM_THREADS", str(args.threads))
     from npuc.apps.sampling import GREEDY, SamplingParams
@@ -49,14 +51,15 @@ def main() -> None:
     hot = SamplingParams(temperature=1.0, seed=1)
     cases = [("copy", prompts["copy"], GREEDY, {}), ("plain", prompts["plain"], GREEDY, {}),
              ("sampled", prompts["plain"], hot, {}),
-             # drafts found (any token seen before, 1-grams) but sampled away: auto-off's case
+             # 1-gram drafts, sampled away where checked: auto-off's case
              ("rejected", prompts["copy"], hot, {"ngram_min": 1})]
-    for name, prompt, sampling, extra in cases:
+    wanted = args.cases.split(",")
+    for name, prompt, sampling, extra in [c for c in cases if c[0] in wanted]:
         times: dict[str, list[float]] = {"off": [], "ngram": []}
         outs: dict[str, list[int]] = {}
         stats = SpeculationStats()
-        for _ in range(args.rounds):
-            for method in ("off", "ngram"):
+        for rnd in range(args.rounds):
+            for method in ("off", "ngram") if rnd % 2 == 0 else ("ngram", "off"):  # either first in turn
                 st = SpeculationStats()
                 t = time.perf_counter()
                 out = generate_many(s, [prompt], args.new, True, sampling,
