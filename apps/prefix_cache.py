@@ -79,7 +79,3 @@ class PrefixBook:
         self.tokens[entry] = key
         self._touch(entry)
         return entry
-
-    def forget(self) -> None:
-        """Every entry empty (the session's state was reset, the pool with it)."""
-        self.tokens = [None] * len(self.tokens)
