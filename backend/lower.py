@@ -17,6 +17,7 @@ needs scratch gets a workspace buffer live only at its own step.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -42,6 +43,10 @@ class Lowered:
     state_bytes: int = 0  # the prefix pool's included
     prefix_entries: int = 0  # --prefix_cache's pool: entries, and their bytes
     prefix_pool_bytes: int = 0
+    # A weights section that begins with an image of one source file (`image_offsets`):
+    # that file's range, and how many of `weights` (the first) lie in it.
+    image: FileRange | None = None
+    pinned: int = 0
 
     @property
     def plan(self) -> Plan:
@@ -162,20 +167,59 @@ def _const_fingerprint(src: Any) -> Any:
     return ("file", src.describe())
 
 
-def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, str] | None = None) -> Lowered:
+# The share of an image's bytes its weights must use, or the weights are laid out one by one.
+IMAGE_MIN_USE = 0.9
+
+
+def image_offsets(gs: Sequence[Graph], image: FileRange, alignment: int) -> dict[int, int]:
+    """The constants (by id) stored as they are in `image`'s file at an `alignment`-aligned
+    offset: placed at that offset of the weights section, which then begins with the whole
+    file (backend/om_image.py copies it while the compile runs). Empty unless they hold at
+    least IMAGE_MIN_USE of the file's bytes: the rest of the file is dead weight in the .om."""
+    real = os.path.realpath(image.path)
+    paths: dict[str, bool] = {}
+    pinned: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for g in gs:
+        for c in g.constants.values():
+            where = getattr(c.const, "file_range", None)
+            stored = where(c.type) if where is not None else None
+            if stored is None:
+                continue
+            path, offset, length = stored
+            if path not in paths:
+                paths[path] = os.path.realpath(path) == real
+            if paths[path] and offset % alignment == 0 and offset + length <= image.length:
+                pinned[id(c)] = offset
+                used[offset] = max(used.get(offset, 0), length)
+    cover, end = 0, 0
+    for offset in sorted(used):  # the bytes the pinned ranges cover, overlaps once
+        cover += max(0, offset + used[offset] - max(offset, end))
+        end = max(end, offset + used[offset])
+    return pinned if cover >= IMAGE_MIN_USE * image.length else {}
+
+
+def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, str] | None = None,
+          image: FileRange | None = None) -> Lowered:
     """One ModelDef for one or more programs (prefill and decode): weights and states
-    are shared between them by name; each program has its own memory plan."""
+    are shared between them by name; each program has its own memory plan. With `image`
+    (a whole source file) the weights section begins with that file where its weights
+    use most of it (`image_offsets`; `Lowered.image` says whether they did)."""
     import npuc
 
     gs = [graphs] if isinstance(graphs, Graph) else list(graphs)
     model = ModelDef(producer="npuc", producer_version=npuc.__version__, target=target.name)
 
-    # Weights: every constant of every program, once, each aligned.
+    # Weights: every constant of every program, once, each aligned; those in the image at
+    # their place in it, the others after it.
+    pin = image_offsets(gs, image, target.weight_alignment) if image is not None else {}
+    if not pin:
+        image = None
     weights: list[Value] = []
     offsets: list[int] = []
     by_name: dict[str, list[tuple[int, Any, Value]]] = {}
     names: set[str] = set()
-    cursor = 0
+    cursor = image.length if image is not None else 0
     index: list[dict[int, int]] = [{} for _ in gs]
     for pi, g in enumerate(gs):
         for c in g.constants.values():
@@ -189,15 +233,21 @@ def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, s
                 n += 1
                 name = f"{g.name}.{c.name}" + (f".{n}" if n > 1 else "")
             names.add(name)
-            cursor = -(-cursor // target.weight_alignment) * target.weight_alignment
+            if id(c) in pin:
+                at = pin[id(c)]
+            else:
+                at = cursor = -(-cursor // target.weight_alignment) * target.weight_alignment
+                cursor += c.type.nbytes
             index[pi][id(c)] = len(model.tensors)
             by_name.setdefault(c.name, []).append((len(model.tensors), fp, c))
             model.tensors.add(name=name, dtype=c.type.dtype.value, shape=list(c.type.shape), region="weights",
-                              offset=cursor, nbytes=c.type.nbytes, format=c.type.format)
+                              offset=at, nbytes=c.type.nbytes, format=c.type.format)
             weights.append(c)
-            offsets.append(cursor)
-            cursor += c.type.nbytes
+            offsets.append(at)
     weights_bytes = cursor
+    # In section order: the pinned (in the image, which comes first as one piece), then the rest.
+    order = sorted(range(len(weights)), key=lambda i: (id(weights[i]) not in pin, offsets[i]))
+    weights, offsets = [weights[i] for i in order], [offsets[i] for i in order]
 
     # States: one region, shared by every program.
     states: dict[str, tuple[int, Value]] = {}
@@ -238,7 +288,8 @@ def lower(graphs: Graph | Sequence[Graph], target: Target, metadata: dict[str, s
     model.state_bytes = state_cursor
     for k in sorted(meta):
         model.metadata.add(key=k, value=meta[k])
-    return Lowered(model, weights, offsets, weights_bytes, plans, state_cursor, entries, pool_bytes)
+    return Lowered(model, weights, offsets, weights_bytes, plans, state_cursor, entries, pool_bytes,
+                   image, sum(id(w) in pin for w in weights))
 
 
 # The axis of its cache operand a cached write indexes by position (ir/fused_ops.py's kv_write:
@@ -360,7 +411,13 @@ def weight_chunks(low: Lowered, ranges: bool = False) -> Iterator[bytes | memory
     """Stream the weights section: each constant read from its source, one at a time. With
     `ranges`, a constant stored as it is in a file comes as its FileRange, unread."""
     cursor = 0
-    for v, off in zip(low.weights, low.weight_offsets, strict=True):
+    if low.image is not None:  # the weights section begins with the image, which holds the pinned weights
+        if ranges:
+            yield low.image
+        else:
+            yield from low.image.chunks()
+        cursor = low.image.length
+    for v, off in zip(low.weights[low.pinned:], low.weight_offsets[low.pinned:], strict=True):
         if off > cursor:
             yield b"\0" * (off - cursor)
         n = 0

@@ -48,6 +48,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -63,9 +64,14 @@ from npuc.backend.om_copy import (
 )
 from npuc.errors import EXIT_IO, InternalError, NpucError
 
+if TYPE_CHECKING:
+    from npuc.backend.om_image import WeightImage
+
 __all__ = [
     "CHUNK_SIZE",
+    "ChunkDigests",
     "FORMAT_VERSION",
+    "IMAGE_OFFSET",
     "MAGIC",
     "SECTION_ALIGN_DEFAULT",
     "WEIGHTS_ALIGN",
@@ -76,6 +82,7 @@ __all__ = [
     "OmFile",
     "OmWriter",
     "SectionInfo",
+    "open_temp",
 ]
 
 MAGIC = b"NPUCOM\x00\x01"
@@ -88,6 +95,9 @@ _CHUNK_MIN, _CHUNK_MAX = 4096, 1 << 30  # the chunk sizes a reader accepts (powe
 _CHUNKS_HEAD = struct.Struct("<QQ")  # chunk size, chunk count
 SECTION_ALIGN_DEFAULT = 64
 WEIGHTS_ALIGN = 4096
+# Where the weights start in a file whose weights come first (`first`): right after a header and
+# a table of up to 63 sections, so a writer can place them before it knows the other sections.
+IMAGE_OFFSET = WEIGHTS_ALIGN
 
 _HEADER = struct.Struct("<8sIIII32s8s")
 _ENTRY = struct.Struct("<16sQQ32s")
@@ -132,7 +142,7 @@ class SectionInfo:
 # --- writing ---------------------------------------------------------------------
 
 
-class _ChunkDigests:
+class ChunkDigests:
     """XXH3-128 of each CHUNK_SIZE piece of a section, fed its bytes in order in pieces of
     any size; `payload` is the "weights.xxh3" section (chunk size, count, digests)."""
 
@@ -196,6 +206,8 @@ class _Pending:
     chunks: Iterable[Chunk] | None = None
     produce: Callable[[], bytes] | None = None
     also: FileSequenceHash | None = None
+    image: WeightImage | None = None
+    first: bool = False
 
 
 def _remove_orphans(directory: str, prefix: str) -> None:
@@ -217,6 +229,15 @@ def _remove_orphans(directory: str, prefix: str) -> None:
                 pass  # alive, but another user's
 
 
+def open_temp(path: str) -> tuple[int, str]:
+    """A new temporary file beside `path` (`.<name>.<pid>.*.tmp`, open for reading and
+    writing), after sweeping those of this output that killed writers left."""
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = f".{os.path.basename(path)}."
+    _remove_orphans(directory, prefix)
+    return tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+
+
 class OmWriter:
     """Collects sections, then writes the `.om` file atomically on `close()`.
 
@@ -228,6 +249,7 @@ class OmWriter:
         self._path = os.fspath(path)
         self._sections: list[_Pending] = []
         self._closed = False
+        self._image_digests: ChunkDigests | None = None  # an adopted weight image's
 
     def __enter__(self) -> OmWriter:
         return self
@@ -240,6 +262,8 @@ class OmWriter:
             for sec in self._sections:
                 if sec.also is not None:
                     sec.also.cancel()
+                if sec.image is not None:
+                    sec.image.discard()
             self._sections.clear()
             return
         self.close()
@@ -250,7 +274,7 @@ class OmWriter:
 
     def add_streamed_section(
         self, name: str, chunks: Iterable[Chunk], size: int, align: int = SECTION_ALIGN_DEFAULT,
-        also: FileSequenceHash | None = None,
+        also: FileSequenceHash | None = None, first: bool = False, image: WeightImage | None = None,
     ) -> None:
         """Register a section of exactly `size` bytes, pulled from `chunks` while writing.
 
@@ -258,10 +282,19 @@ class OmWriter:
         payload never has to exist as one bytes object. A `FileRange` chunk is read
         from its file once, in blocks, each hashed and written from that read; `also`
         is handed the blocks it wants (see FileSequenceHash).
+
+        `first` (the weights only) puts the section first in the file, where its opening
+        bytes can be written before the header sections are known. With `image`
+        (backend/om_image.py, copying exactly the first chunk ahead into a file of its
+        own) the writer adopts that file and writes the other chunks only.
         """
         if size < 0:
             raise InternalError(f"section '{name}': negative size {size}")
-        self._register(_Pending(name, size, align, None, chunks, also=also))
+        if (first or image is not None) and name != WEIGHTS:
+            raise InternalError(f"section '{name}': only the weights can come first")
+        if image is not None and not first:
+            raise InternalError(f"section '{name}': an image is copied to the start of the file")
+        self._register(_Pending(name, size, align, None, chunks, also=also, image=image, first=first))
 
     def add_late_section(self, name: str, size: int, produce: Callable[[], bytes],
                          align: int = SECTION_ALIGN_DEFAULT) -> None:
@@ -290,6 +323,28 @@ class OmWriter:
             sec = _Pending(sec.name, len(sec.data), a, sec.data)
         self._sections.append(sec)
 
+    def _adopt_image(self, sections: list[_Pending], offsets: list[int]) -> tuple[int, str] | None:
+        """The temporary file a weight image has been copied into, with its chunk digests
+        kept for the rest of the section, if the section lies where the image was copied;
+        else the image is discarded (the writer copies those bytes itself)."""
+        sec = sections[0] if sections else None
+        if sec is None or sec.image is None:
+            return None
+        if offsets[0] != IMAGE_OFFSET or os.path.abspath(self._path) != sec.image.out_path:
+            sec.image.discard()
+            return None
+        try:
+            with self._io():
+                fd, tmp, digests, model_hash = sec.image.take()
+        except BaseException:
+            if sec.also is not None:
+                sec.also.cancel()
+            raise
+        if model_hash is not None and model_hash is not sec.also:
+            model_hash.cancel()
+        self._image_digests = digests
+        return fd, tmp
+
     def close(self) -> None:
         """Write the file (once). Later calls do nothing."""
         if self._closed:
@@ -314,10 +369,15 @@ class OmWriter:
 
     def _write(self, sections: list[_Pending]) -> None:
         for i, sec in enumerate(sections):
-            if sec.name == WEIGHTS:  # its chunk digests go just before it, written once it is
-                sections.insert(i, _Pending(WEIGHTS_DIGESTS, _chunks_payload_size(sec.size), SECTION_ALIGN_DEFAULT,
-                                            None, produce=_weights_chunks))
-                break
+            if sec.name != WEIGHTS:
+                continue
+            chunk_table = _Pending(WEIGHTS_DIGESTS, _chunks_payload_size(sec.size), SECTION_ALIGN_DEFAULT,
+                                   None, produce=_weights_chunks)
+            if sec.first:  # first in the file, its chunk digests right after it
+                sections[:] = [sec, chunk_table, *sections[:i], *sections[i + 1:]]
+            else:  # its chunk digests go just before it, written once it is
+                sections.insert(i, chunk_table)
+            break
         table_end = HEADER_SIZE + ENTRY_SIZE * len(sections)
         offsets: list[int] = []
         cursor = table_end
@@ -326,12 +386,11 @@ class OmWriter:
             cursor = offsets[-1] + sec.size
 
         directory = os.path.dirname(os.path.abspath(self._path))
-        prefix = f".{os.path.basename(self._path)}."
-        _remove_orphans(directory, prefix)
+        adopted = self._adopt_image(sections, offsets)
         try:
             with self._io():
                 mode = stat.S_IMODE(os.stat(self._path).st_mode) if os.path.isfile(self._path) else 0o644
-                fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+                fd, tmp = adopted or open_temp(self._path)
         except BaseException:
             for sec in sections:
                 if sec.also is not None:
@@ -379,14 +438,15 @@ class OmWriter:
                 if sec.produce is not None:
                     late.append(i)
                     continue
-                digester = _ChunkDigests() if sec.name == WEIGHTS else _Sha256()
+                digester: ChunkDigests | _Sha256 = (self._image_digests or ChunkDigests()) if sec.name == WEIGHTS \
+                    else _Sha256()
                 if sec.data is not None:
                     with self._io():
                         pwrite_all(fd, sec.data, off)
                     digester.update(memoryview(sec.data))
                 else:
                     self._write_streamed(fd, sec, off, digester)
-                if isinstance(digester, _ChunkDigests):
+                if isinstance(digester, ChunkDigests):
                     chunk_table = digester.payload()
                     digests[i] = _weights_digest(chunk_table)
                 else:
@@ -408,15 +468,21 @@ class OmWriter:
             raise
         return [digests[i] for i in range(len(sections))]
 
-    def _write_streamed(self, fd: int, sec: _Pending, off: int, digester: _ChunkDigests | _Sha256) -> None:
+    def _write_streamed(self, fd: int, sec: _Pending, off: int, digester: ChunkDigests | _Sha256) -> None:
         """Write a streamed section's chunks, hashing each from the buffer it is written from."""
         assert sec.chunks is not None
         copy = RangeCopy(fd, digester, sec.also)
         written = 0
+        chunks = iter(sec.chunks)
+        if sec.image is not None and self._image_digests is not None:  # its first chunk is on file already
+            first = next(chunks, None)
+            if first != sec.image.source:
+                raise InternalError(f"section '{sec.name}' does not begin with its image {sec.image.source}")
+            written = sec.image.source.length
         if sec.also is not None:
             sec.also.start()  # it reads what it will not be handed meanwhile
         try:
-            for chunk in sec.chunks:
+            for chunk in chunks:
                 if isinstance(chunk, FileRange):
                     n = chunk.length
                 else:

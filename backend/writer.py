@@ -23,7 +23,7 @@ def write_om(low: Lowered, path: str, extra: Mapping[str, bytes] | None = None,
         chunks = weight_chunks(low)
         if on_bytes is not None:
             chunks = _counted(chunks, on_bytes)
-        w.add_streamed_section(WEIGHTS, chunks, low.weights_bytes, WEIGHTS_ALIGN)
+        w.add_streamed_section(WEIGHTS, chunks, low.weights_bytes, WEIGHTS_ALIGN, first=low.image is not None)
 
 
 def _counted(chunks: Iterator[bytes | memoryview], report: Callable[[int], None]) -> Iterator[bytes | memoryview]:

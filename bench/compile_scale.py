@@ -24,9 +24,13 @@ Figures, each from a fresh child process:
   write every weight byte once; and the same copy followed by ``fsync``, the floor for a
   writer that, like npuc, puts its output on disk before renaming it into place.
 
-npuc and the copies run in turn, ``--repeat`` times (3 by default); the medians are
-reported, and every run's time beside them (the page cache and the disk's writeback make
-single runs vary by 2x on a shared machine).
+npuc and the copies run in turn, ``--repeat`` times (3 by default), the order turning by one
+each round, each after an ``os.sync()``, an emptied page cache where the bench may empty it
+(root; ``page_cache_reset`` in the results; npuc's and torch's files are then read back in by
+an import, the weight file by a read) and a second's pause, so that no measurement pays for
+the writeback or the cached pages another left; the medians are reported, and every run's time beside them (the
+page cache and the disk's writeback make single runs vary by 2x on a shared machine), and the
+median of each round's npuc / (copy + fsync) ratio.
 
 Peak RSS: each child is started with ``subprocess.Popen`` and reaped with ``os.wait4``,
 whose rusage is that child's own (``ru_maxrss``: the peak RSS of the child, or of the
@@ -192,8 +196,27 @@ def _build_info(model: Path) -> dict[str, Any]:
     return info
 
 
+def _reset_page_cache() -> bool:
+    """Empty the page cache where this process may (root: /proc/sys/vm/drop_caches), so that
+    every measurement starts from the same memory: on this host a writer that follows one
+    whose 4.4 GB output is still cached pays 3-4x the system time to get pages (a copy and
+    fsync: 9-10 s instead of 2.6 s; docs/performance.md), whichever writer it is."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
+
+
 def _prepare_cache(path: Path, cache: str) -> None:
-    """Put ``path`` in the page cache (warm) or drop it from there (cold)."""
+    """Put ``path`` in the page cache (warm) or drop it from there (cold), after the disk
+    has settled: the writeback the last measurement left (a copy without fsync) is not
+    charged to the next."""
+    os.sync()
+    if _reset_page_cache():  # the compiler's own files back in too (torch's libraries: ~1 GB), as a user's are
+        subprocess.run([sys.executable, "-c", "import npuc.compiler.driver"], check=True)
+    time.sleep(1.0)
     with open(path, "rb", buffering=0) as f:
         if cache == "cold":
             os.fsync(f.fileno())  # dirty pages cannot be dropped; Linux allows fsync on a read-only fd
@@ -245,9 +268,10 @@ def _in_turn(runs: dict[str, Any], repeat: int) -> dict[str, dict[str, Any]]:
     """Each measurement `repeat` times, in turn; the median wall time (peak RSS: the
     largest) with every run's time beside it."""
     seen: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
-    for _ in range(repeat):
-        for name, run in runs.items():
-            seen[name].append(run())
+    names = list(runs)
+    for i in range(repeat):  # the order turns by one each round: none always follows the same one
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seen[name].append(runs[name]())
     out = {}
     for name, rs in seen.items():
         med = dict(sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2])
@@ -283,6 +307,7 @@ def run(out_dir: str | os.PathLike[str], quick: bool, cache_dir: str | os.PathLi
             models[name] = build_llama_onnx(root, **asdict(shape))
             print(f"[compile_scale] {shape.key()}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         res: dict[str, Any] = {"quick": quick, "page_cache": cache, "input_shape": f"input_ids:1,{SEQ}",
+                               "page_cache_reset": _reset_page_cache(),
                                "rss_method": "os.wait4 rusage of each child (ru_maxrss)",
                                "cache_dir": str(root), "repeat": repeat}
         for name, model in models.items():

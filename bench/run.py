@@ -1013,15 +1013,16 @@ def render_scale(sc: dict[str, Any]) -> list[str]:
         f"in the page cache ({sc['page_cache']}). Peak RSS: {sc['rss_method']}.",
         "",
         "| model | weights (GB) | npuc compile (s) | npuc peak RSS (GB) | onnxruntime offline optimisation (s) | "
-        "ORT peak RSS (GB) | copy of the weight file (s) |",
-        "|---|---|---|---|---|---|---|",
+        "ORT peak RSS (GB) | copy of the weight file (s) | copy and fsync (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in (f, h):
+        fsync = f"{r['copy_fsync']['wall_s']:.1f}" if "copy_fsync" in r else ""
         lines.append(
             f"| {r['params'] / 1e9:.2f}B ({r['layers']} layers) | {r['weight_bytes'] / gb:.2f} | "
             f"{r['npuc_compile']['wall_s']:.1f} | {r['npuc_compile']['peak_rss_bytes'] / gb:.2f} | "
             f"{r['ort_optimize']['wall_s']:.1f} | {r['ort_optimize']['peak_rss_bytes'] / gb:.2f} | "
-            f"{r['copy']['wall_s']:.1f} |"
+            f"{r['copy']['wall_s']:.1f} | {fsync} |"
         )
     ra = sc["ratios_full_over_half"]
     rss = f["npuc_compile"]["peak_rss_bytes"] / gb

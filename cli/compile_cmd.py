@@ -232,22 +232,31 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
                   kv_cache_dtype=opts["kv_cache_dtype"], trust_pickle=opts["trust_pickle"])
     if mode == "3":
         return _precheck(source, opts["json_out"], common, opts["diagnostics_format"])
-    from npuc.compiler.driver import compile_model
-    from npuc.compiler.progress import NullProgress, RichProgress
+    from npuc.compiler import weight_image
 
     output = opts["output"]
     if output is None:
         output = os.path.splitext(os.path.basename(os.path.normpath(source)))[0] or "model"
-    show = sys.stderr.isatty() and opts["diagnostics_format"] == "text" and opts["log"] != "null"
-    progress = RichProgress() if show else NullProgress()
+    # The weights' opening bytes start copying into the output now, while the compiler is
+    # imported and runs (compiler/weight_image.py).
+    image = weight_image.start(source, output, tp=opts["tp"], ep=opts["ep"], quant_type=opts["quant_type"],
+                               precision_mode=opts["precision_mode"])
     try:
-        path = compile_model(source, output=output, debug=opts["debug"], dump_ir_after=opts["dump_ir_after"],
-                             dump_dir=opts["dump_dir"], time_passes=opts["time_passes"],
-                             fusion_report=opts["fusion_report"], depfile=opts["depfile"],
-                             extra_deps=[opts["config"]] if opts["config"] else [], progress=progress,
-                             tp=opts["tp"], ep=opts["ep"], **common)
+        from npuc.compiler.driver import compile_model
+        from npuc.compiler.progress import NullProgress, RichProgress
+
+        show = sys.stderr.isatty() and opts["diagnostics_format"] == "text" and opts["log"] != "null"
+        progress = RichProgress() if show else NullProgress()
+        try:
+            path = compile_model(source, output=output, debug=opts["debug"], dump_ir_after=opts["dump_ir_after"],
+                                 dump_dir=opts["dump_dir"], time_passes=opts["time_passes"],
+                                 fusion_report=opts["fusion_report"], depfile=opts["depfile"],
+                                 extra_deps=[opts["config"]] if opts["config"] else [], progress=progress,
+                                 tp=opts["tp"], ep=opts["ep"], weight_image=image, **common)
+        finally:
+            progress.done()
     finally:
-        progress.done()
+        weight_image.discard(image)
     click.echo(f"wrote {path}")
 
 

@@ -20,11 +20,14 @@ with the error's code; only `--debug` shows a traceback.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import re
 import secrets
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -44,6 +47,15 @@ class NpucGroup(click.Group):
     one line with a code and a hint, or JSON with --diagnostics-format json."""
 
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:  # type: ignore[override]
+        if args is None:  # the process's own command line (the `npuc` script, python -m npuc)
+            try:
+                self._main(None, prog_name, **extra)
+            except SystemExit as e:
+                _exit_now(e.code)
+            _exit_now(0)
+        return self._main(args, prog_name, **extra)
+
+    def _main(self, args: Any, prog_name: str | None, **extra: Any) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         pairs = zip(argv, [*argv[1:], ""], strict=True)
         fmt = "json" if any(f"{a}={b}" in ("--diagnostics-format=json", "--diagnostics_format=json")
@@ -62,6 +74,33 @@ class NpucGroup(click.Group):
         except click.ClickException as e:
             report(NpucError("NPUC-E0100", e.format_message(), "see `npuc --help`", exit_code=EXIT_USAGE), fmt)
             sys.exit(EXIT_USAGE)
+
+
+def _exit_now(code: str | int | None) -> None:
+    """End the process as `sys.exit(code)` would, less the interpreter's teardown: with
+    torch imported, freeing every module's objects takes 0.4-0.7 s after the work is done
+    (measured on `npuc compile`; docs/performance.md). The atexit handlers still run (temporary
+    folders, logging), and Python's and C's output buffers are flushed. Where a thread
+    other than daemons is still running, or a profiler or tracer (coverage) is on, the
+    normal exit runs instead."""
+    if sys.getprofile() is not None or sys.gettrace() is not None \
+            or any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)  # a profiler or coverage writes its data at exit
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        ctypes.CDLL(None).fflush(None)  # a C library's buffered stdout (libnpucrt)
+    except Exception:  # noqa: BLE001 - a closed pipe: nothing more can be said, exit as Python would
+        sys.exit(code)
+    os._exit(status)
 
 
 @click.group(cls=NpucGroup, context_settings={"help_option_names": ["-h", "--help"]})

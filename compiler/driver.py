@@ -22,6 +22,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from npuc.backend.lower import Lowered, lower, weight_chunks
 from npuc.backend.memory_plan import align_up
 from npuc.backend.om_format import WEIGHTS_ALIGN, Chunk, FileRange, FileSequenceHash, OmWriter
+from npuc.backend.om_image import WeightImage
 from npuc.backend.om_sections import METADATA, split_model
 from npuc.backend.targets import Target, check_dtypes, check_fits, dtypes_used, get_target
 from npuc.backend.writer import WEIGHTS
@@ -45,6 +46,7 @@ from npuc.compiler.recurrent import recurrences_as_ops
 from npuc.compiler.rope_scaling import at_cache_length, traceable
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
+from npuc.compiler.weight_image import hashed_files, image_source
 from npuc.errors import EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, NpucError
 from npuc.ir import DType, Graph, Node, Value, distinct_outputs
 from npuc.ir.evaluate import evaluate_value, reads_inputs
@@ -209,13 +211,7 @@ DECODE_TRACE_POSITION = 1
 def source_hash(files: Sequence[str]) -> str:
     """XXH3-128 over the model's files (name, size, bytes), in name order: the same model
     gives the same hash wherever it lies."""
-    return FileSequenceHash(_hashed_files(files)).hexdigest()
-
-
-def _hashed_files(files: Sequence[str]) -> list[tuple[str, bytes]]:
-    """source_hash's files in its order, each with what precedes its bytes."""
-    return [(path, os.path.basename(path).encode() + b"\0" + os.path.getsize(path).to_bytes(8, "little"))
-            for path in sorted(files, key=os.path.basename)]
+    return FileSequenceHash(hashed_files(files)).hexdigest()
 
 
 # source_xxh3 until the weights are written: the hash comes from the reads that copy them.
@@ -679,6 +675,7 @@ def compile_model(
     tp: int | None = None,
     ep: int | None = None,
     plan: list[sharded.RankPlan] | None = None,
+    weight_image: WeightImage | None = None,
 ) -> str:
     """Compile `model` to `<output>.om` and return that path.
 
@@ -714,6 +711,10 @@ def compile_model(
     their manifest; `ep` (1 or `tp`) splits MoE experts across the ranks (compiler/sharded.py).
     `plan` (a list) receives each rank's sizes and nothing is written (`npuc plan`: a config
     alone, `config.json`, is enough).
+    `weight_image` (compiler/weight_image.py `start`, which the command line calls before
+    importing this module) has been copying the weights section's opening bytes into the
+    output meanwhile: the writer adopts them, or discards them where the lowering lays the
+    weights out otherwise; a caller whose compile fails discards it.
     Every option is checked before the model is read."""
     progress = progress or NullProgress()
     target = get_target(soc_version)
@@ -826,12 +827,19 @@ def compile_model(
     else:
         check_dtypes(target, dtypes_used(graphs))
         progress.stage("plan memory")
-        low = lower(graphs, target, meta)
+        low = lower(graphs, target, meta, image_source(source.kind, source.files, world))
         check_fits(target, low.weights_bytes, low.arena_bytes, low.state_bytes)
+        if weight_image is not None and weight_image.source != low.image:
+            weight_image.discard()  # copied ahead in vain: the weights are laid out one by one
+            weight_image = None
+        if low.image is not None:
+            log.info("weights: the section begins with %s (%d bytes, %s)", low.image.path, low.image.length,
+                     "copied ahead" if weight_image is not None else "copied with the rest")
         progress.stage("write", low.weights_bytes)
+        image = weight_image
 
         def write_model() -> None:
-            _write(low, out_path, extra, source.files, progress.advance)
+            _write(low, out_path, extra, source.files, progress.advance, image)
     try:
         write_model()
         if depfile_path is not None:
@@ -847,12 +855,16 @@ def compile_model(
 
 
 def _write(low: Lowered, path: str, extra: Mapping[str, bytes], files: Sequence[str],
-           on_bytes: Callable[[int], None]) -> None:
+           on_bytes: Callable[[int], None], image: WeightImage | None = None) -> None:
     """writer.write_om, with the weights copied file to file where they are stored as they
     are (weight_chunks' FileRanges), and the input model's hash (metadata source_xxh3)
-    taken from the reads that hash them: so the metadata section is written last."""
+    taken from the reads that hash them: so the metadata section is written last. An
+    `image` copied ahead brings that hash along, where it hashes the same files."""
     sections = split_model(low.model)
-    model_hash = FileSequenceHash(_hashed_files(files), _stored_ranges(low)) if files else None
+    if image is not None and image.model_hash is not None and image.hashed_files == hashed_files(files):
+        model_hash: FileSequenceHash | None = image.model_hash
+    else:
+        model_hash = FileSequenceHash(hashed_files(files), _stored_ranges(low)) if files else None
 
     def metadata() -> bytes:
         assert model_hash is not None
@@ -876,14 +888,14 @@ def _write(low: Lowered, path: str, extra: Mapping[str, bytes], files: Sequence[
         for name in sorted(extra):
             w.add_section(name, extra[name])
         w.add_streamed_section(WEIGHTS, counted(weight_chunks(low, ranges=True)), low.weights_bytes,
-                               WEIGHTS_ALIGN, also=model_hash)
+                               WEIGHTS_ALIGN, also=model_hash, first=low.image is not None, image=image)
 
 
 def _stored_ranges(low: Lowered) -> list[FileRange]:
     """The file ranges weight_chunks(low, ranges=True) will give, in its order (read off
     the sources, nothing loaded): the model's hash plans which to take from the copy."""
-    out = []
-    for v in low.weights:
+    out = [low.image] if low.image is not None else []
+    for v in low.weights[low.pinned:]:
         where = getattr(v.const, "file_range", None)
         stored = where(v.type) if where is not None else None
         if stored is not None:

@@ -119,3 +119,21 @@ def test_compile_is_byte_reproducible(hf_checkpoints: dict[str, Path], tmp_path:
     paths = [npuc.compile(str(hf_checkpoints["deepseek_v3"]), input_shape="input_ids:1,16",
                           output=str(tmp_path / f"m{i}")) for i in range(2)]
     assert Path(paths[0]).read_bytes() == Path(paths[1]).read_bytes()
+
+
+@pytest.mark.parametrize("args, code", [(["--version"], 0), (["info", "nowhere.om"], 4), (["nosuch"], 2)])
+def test_the_process_skips_teardown_but_not_atexit_or_output(args: list[str], code: int) -> None:
+    """As a process of its own the command line ends with os._exit (no interpreter teardown:
+    `python -v` reports no module cleanup), after the atexit handlers, with its output flushed
+    and the exit code sys.exit would give; under a tracer (coverage) it exits as Python does."""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('atexit ran', flush=True))\n"
+              f"sys.argv = ['npuc', *{args!r}]\nfrom npuc.cli.main import main\nmain()\n")
+    for traced in (False, True):
+        r = subprocess.run([sys.executable, "-v", "-c", ("import sys; sys.settrace(lambda *a: None)\n" if traced
+                                                          else "") + script],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == code, r.stderr[-2000:]
+        assert ("npuc " in r.stdout) if code == 0 else ("NPUC-E" in r.stderr)
+        assert r.stdout.rstrip().endswith("atexit ran")
+        assert ("# cleanup" in r.stderr) == traced
