@@ -95,6 +95,25 @@ def generation_info(s: Session | NativeSession) -> GenerationInfo:
                           last, takes, bool(meta.get("recurrent_state")))
 
 
+def prefill_feeds(info: GenerationInfo, prompt: Sequence[int], bufs: tuple[Any, Any, Any],
+                  slot: int | None) -> tuple[dict[str, Any], int]:
+    """The prefill program's feeds for `prompt`'s first prefill_len tokens, in `bufs` (the
+    ids [1, prefill_len], last token [1] and slot [1] arrays, filled in place), with the
+    `slot` input where the model takes one (not None); and how many tokens they hold."""
+    ids, last, slot_buf = bufs
+    n = min(len(prompt), info.prefill_len)
+    ids[:] = 0
+    ids[0, :n] = np.asarray(prompt[:n], dtype=np.int64)
+    feeds = {info.ids_name: ids}
+    if info.takes_last:
+        last[0] = n - 1
+        feeds[LAST_TOKEN] = last
+    if slot is not None:
+        slot_buf[0] = slot
+        feeds["slot"] = slot_buf
+    return feeds, n
+
+
 def _last_row(s: Session | NativeSession) -> tuple[bool, bool]:
     """(prefill takes a LAST_TOKEN input, its logits are that row's alone)."""
     prefill = s.programs["prefill"]

@@ -38,7 +38,15 @@ from typing import Any
 
 import numpy as np
 
-from npuc.apps.generate import LAST_TOKEN, GenerationInfo, check_prompt, copy_row, generation_info, logits_f32
+from npuc.apps.draft_model import DraftModel
+from npuc.apps.generate import (
+    GenerationInfo,
+    check_prompt,
+    copy_row,
+    generation_info,
+    logits_f32,
+    prefill_feeds,
+)
 from npuc.apps.prefix_cache import PrefixBook
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
 from npuc.apps.speculative import (
@@ -88,7 +96,8 @@ class Event:
 
 
 class Scheduler:
-    def __init__(self, s: Any, keep_logits: bool = False, speculative: SpeculativeConfig | None = None) -> None:
+    def __init__(self, s: Any, keep_logits: bool = False, speculative: SpeculativeConfig | None = None,
+                 draft: Any | None = None) -> None:
         self.session = s
         self.info: GenerationInfo = generation_info(s)
         decode = s.programs["decode"]
@@ -128,6 +137,15 @@ class Scheduler:
         self._vids = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._vpos = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._drafts: dict[int, list[int]] = {}
+        # A draft model (apps/draft_model.py) where the method is "draft": its session, checked
+        self._draft: DraftModel | None = None
+        self._draft_time: float | None = None  # seconds of drafting a verify step (moving average)
+        if self.speculative.method == "draft":
+            if draft is None:
+                raise NpucError("NPUC-E0163", "--speculative draft needs a draft model",
+                                "give --draft small.om (a model of the same vocabulary)", exit_code=EXIT_USAGE)
+            if self._spec_on:
+                self._draft = DraftModel(draft, self.slots, self.info.vocab, self.info.max_seq_len)
         # Prefix reuse (apps/prefix_cache.py): where the model has a prefix pool
         entries = int(getattr(s, "prefix_entries", 0) or 0)
         self.prefixes = PrefixBook(entries) if entries and not self.info.recurrent else None
@@ -298,6 +316,7 @@ class Scheduler:
         info, k_max = self.info, self._k
         plain = speculated = 0.0
         drafts: dict[int, list[int]] = {}
+        wants: dict[int, tuple[list[int], int]] = {}  # a draft model's: each slot's sequence and room
         for k, r in enumerate(self._running):
             if r is None:
                 continue
@@ -306,19 +325,37 @@ class Scheduler:
                 speculated += min(self._vrows, len(r.feed))
                 continue
             room = min(k_max, r.max_new_tokens - len(r.tokens) - 1, info.max_seq_len - 1 - r.pos)
+            if self._draft is not None:  # drafted below, once verify is chosen: expect a full draft
+                plain += 1
+                if room > 0:
+                    wants[k] = ([*r.prompt, *r.tokens], room)
+                    speculated += 1 + r.spec.expected(room)
+                else:
+                    speculated += 1
+                continue
             d = r.spec.index.draft(room) if room > 0 else []
             plain += 1
             speculated += 1 + (r.spec.expected(len(d)) if d else 0.0)
             if d:
                 drafts[k] = d
-        probe = bool(drafts) and self._times.since_verify >= self._times.PROBE_EVERY
+        probe = bool(drafts or wants) and self._times.since_verify >= self._times.PROBE_EVERY
+        ratio = self._times.ratio()
+        if self._draft is not None and self._draft_time is not None and self._times.decode:
+            ratio += self._draft_time / self._times.decode  # drafting's cost, in decode steps
         if not probe and (speculated <= plain
-                          or speculated / self._times.ratio() < plain * self.speculative.min_gain):
+                          or speculated / ratio < plain * self.speculative.min_gain):
             for k, d in drafts.items():  # checked against the token the step chooses (acceptance)
                 spec = self._running[k].spec  # type: ignore[union-attr]
                 assert spec is not None
                 spec.shadow = d[:1]
             return "decode"
+        if self._draft is not None:
+            start = time.perf_counter()
+            drafts = {k: d for k, d in self._draft.propose(wants).items() if d}
+            took = time.perf_counter() - start
+            self._draft_time = took if self._draft_time is None else self._draft_time + 0.2 * (took - self._draft_time)
+            if not drafts:
+                return "decode"
         self._drafts = drafts
         return VERIFY
 
@@ -347,6 +384,10 @@ class Scheduler:
     def _admit(self, r: Request, k: int, events: list[Event], sibling_slots: list[int] | None = None) -> None:
         info = self.info
         group = list(zip([r, *r.siblings], [k, *(sibling_slots or [])], strict=True))
+        if self._draft is not None:
+            for q, kq in group:
+                if q.spec is not None:
+                    self._draft.admit(kq, q.prompt)
         scored = r.prompt_logprobs and (info.last_token or self._decode_rows != self.tokens)
         if (self.tokens > 1 and self.active and not scored and not r.siblings) or (r.prompt_logprobs and info.last_token):
             # Slots are decoding: the prompt goes through the decode steps, C tokens a step,
@@ -366,16 +407,7 @@ class Scheduler:
                 r.slot, r.pos, r.feed = k, m, list(r.prompt[m:])
                 self._running[k] = r
                 return
-        n = min(len(r.prompt), info.prefill_len)
-        self._prompt[:] = 0
-        self._prompt[0, :n] = np.asarray(r.prompt[:n], dtype=np.int64)
-        feeds = {info.ids_name: self._prompt}
-        if info.takes_last:
-            self._last[0] = n - 1
-            feeds[LAST_TOKEN] = self._last
-        if self._slotted:
-            self._slot[0] = k
-            feeds[SLOT] = self._slot
+        feeds, n = prefill_feeds(info, r.prompt, (self._prompt, self._last, self._slot), k if self._slotted else None)
         rows = logits_f32(self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0])
         if self.prefixes is not None and (entry := self.prefixes.place(r.prompt[:n])) >= 0:
             self.session.save_prefix(k, entry, n)
@@ -427,12 +459,13 @@ class Scheduler:
 
 def generate_many(s: Any, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
                   sampling: SamplingParams = GREEDY, speculative: SpeculativeConfig | None = None,
-                  stats: SpeculationStats | None = None) -> list[list[int]]:
+                  stats: SpeculationStats | None = None, draft: Any | None = None) -> list[list[int]]:
     """The tokens of each prompt (greedy, or sampled under the same parameters: with a seed S,
     prompt i draws with seed S + i, so that two equal prompts get their own samples),
     decoded over the model's slots together. `speculative`: how to draft where the model has a
-    verify program; `stats` receives the steps' counts."""
-    sched = Scheduler(s, speculative=speculative)
+    verify program (with `draft`, a draft model's session, for its method "draft"); `stats`
+    receives the steps' counts."""
+    sched = Scheduler(s, speculative=speculative, draft=draft)
     if stats is not None:
         sched.stats = stats
     for p in prompts:

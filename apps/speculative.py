@@ -26,6 +26,9 @@ Drafters:
 - n-gram (prompt lookup): the sequence's own tokens. The last n tokens (n from `ngram_max`
   down to `ngram_min`) are looked up at their latest earlier occurrence, and the tokens that
   followed it are the draft. Free, and right wherever the output copies its input.
+- a draft model (`--draft small.om`, apps/draft_model.py): a small `.om` of the same
+  vocabulary, as many slots, decodes each drafting slot's next tokens greedily, all slots in
+  one step of its decode program; its cost is weighed with verify's.
 
 The scheduler (apps/scheduler.py) runs `verify` only when it pays: it keeps each request's
 acceptance rate (also measured on steps without drafts checked, from what the drafter would
@@ -41,12 +44,13 @@ from dataclasses import dataclass, field
 from npuc.errors import EXIT_USAGE, NpucError
 
 VERIFY = "verify"  # the program --speculative_tokens compiles (compiler/flag_checks.py)
-METHODS = ("ngram", "off")
+METHODS = ("ngram", "draft", "off")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How the scheduler drafts: `method` "ngram" (prompt lookup) or "off"; `tokens`: drafted
+    """How the scheduler drafts: `method` "ngram" (prompt lookup), "draft" (a draft model's
+    `.om`: apps/draft_model.py) or "off"; `tokens`: drafted
     tokens a step, at most the verify program's K (None: K); n-grams of `ngram_min` to
     `ngram_max` tokens; `min_gain`: the expected speed-up below which a step runs plain decode."""
 
@@ -59,7 +63,7 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise NpucError("NPUC-E0162", f"speculative method {self.method!r} is not one of "
-                            + ", ".join(METHODS), "use ngram or off", exit_code=EXIT_USAGE)
+                            + ", ".join(METHODS), "use ngram, draft or off", exit_code=EXIT_USAGE)
         if self.tokens is not None and not 1 <= self.tokens <= 64:
             raise NpucError("NPUC-E0162", f"speculative tokens {self.tokens} is not from 1 to 64",
                             "give the drafted tokens a step checks", exit_code=EXIT_USAGE)

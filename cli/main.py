@@ -269,9 +269,12 @@ def _parse_ids(text: str) -> list[int]:
               show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
               help="Sample reproducibly (prompt i with seed S + i); without it, a random seed.")
-@click.option("--speculative", type=click.Choice(["ngram", "off"]), default="ngram", show_default=True,
+@click.option("--speculative", type=click.Choice(["ngram", "draft", "off"]), default=None,
               help="Speculative decoding where the .om has a verify program (--speculative_tokens): n-gram prompt "
-                   "lookup, switched off by itself while its drafts are not accepted.")
+                   "lookup (the default), or a draft model (--draft; the default where one is given); switched off "
+                   "by itself while its drafts are not accepted.")
+@click.option("--draft", "draft", default=None, metavar="OM",
+              help="A draft model's .om (the same vocabulary and slots, --decode_tokens 1) for --speculative draft.")
 @click.option("--ngram-max", "--ngram_max", "ngram_max", type=click.IntRange(1, 32), default=4, show_default=True,
               help="The longest suffix the n-gram drafter looks up.")
 @click.option("--ngram-min", "--ngram_min", "ngram_min", type=click.IntRange(1, 32), default=2, show_default=True,
@@ -286,7 +289,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prompts_file: str | None,
              max_new_tokens: int, ignore_eos: bool, temperature: float, top_p: float, top_k: int, min_p: float,
              repetition_penalty: float, presence_penalty: float, frequency_penalty: float, seed: int | None,
-             speculative: str, ngram_max: int, ngram_min: int, stats: bool,
+             speculative: str | None, draft: str | None, ngram_max: int, ngram_min: int, stats: bool,
              device: str, tp: int | None, debug: bool) -> None:
     """Decoding with a .om compiled with --max_seq_len: greedy, or sampled (--temperature
     above 0, and the filters and penalties; docs/serving.md). One prompt: prints the new
@@ -320,10 +323,16 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     if parallel is not None:
         ids, sampling = parallel.share((ids, sampling))  # rank 0's; every rank runs the same steps
     check_sampling(sampling, generation_info(sess).vocab)
-    spec = SpeculativeConfig(method=speculative, ngram_min=ngram_min, ngram_max=ngram_max)
+    spec = SpeculativeConfig(method=speculative or ("draft" if draft else "ngram"), ngram_min=ngram_min,
+                             ngram_max=ngram_max)
     spec.check()
+    if draft is not None and spec.method != "draft":
+        raise NpucError("NPUC-E0163", f"--draft with --speculative {spec.method}", "drop one of them",
+                        exit_code=EXIT_USAGE)
+    draft_sess = open_session(draft, device=device) if draft is not None else None
     counts = SpeculationStats()
-    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling, spec, counts)
+    outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling, spec, counts,
+                         draft_sess)
     if stats and leader:
         click.echo(json.dumps(counts.as_dict()), err=True)
     if parallel is not None:

@@ -1,0 +1,101 @@
+"""Speculative decoding with a draft model's .om (apps/draft_model.py): the greedy output unchanged,
+whether the draft agrees with the target always (itself) or rarely (another random model), its
+cache caught up across steps, and the drafts its own greedy decode would give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hf_models import save_checkpoint
+
+from npuc.apps.draft_model import DraftModel
+from npuc.apps.scheduler import Scheduler
+from npuc.apps.speculative import SpeculativeConfig
+from npuc.compiler.driver import compile_model
+from npuc.errors import NpucError
+from npuc.runtime.native_session import NativeSession, runtime_library
+
+pytestmark = pytest.mark.skipif(runtime_library() is None, reason="no C compiler: the native runtime is not built")
+K, MAX_SEQ = 4, 64
+PROMPTS = [[5, 17, 3, 99, 42, 5, 17, 3, 99, 42, 5, 17], [1, 15, 27, 100, 42, 7, 64, 11, 80, 2]]
+DRAFT = SpeculativeConfig(method="draft", min_gain=0.0)  # verify whenever there are drafts
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("draft")
+    save_checkpoint("llama", str(root / "target"))
+    save_checkpoint("qwen2", str(root / "other"), seed=5)  # the same 128-token vocabulary
+    common = dict(input_shape="input_ids:2,8", max_seq_len=MAX_SEQ)
+    return {"target": Path(compile_model(str(root / "target"), speculative_tokens=K, output=str(root / "t"),
+                                         **common)),  # type: ignore[arg-type]
+            "other": Path(compile_model(str(root / "other"), output=str(root / "o"), **common)),  # type: ignore[arg-type]
+            "one_slot": Path(compile_model(str(root / "other"), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
+                                           output=str(root / "o1")))}
+
+
+def _run(s: Any, config: SpeculativeConfig, draft: Any = None, n: int = 30) -> tuple[list[list[int]], Any]:
+    sched = Scheduler(s, speculative=config, draft=draft)
+    ids = [sched.submit(p, n, True) for p in PROMPTS]
+    while not sched.idle:
+        sched.step()
+    return [sched.requests[i].tokens for i in ids], sched.stats
+
+
+@pytest.mark.parametrize("which", ["target", "other"])
+def test_greedy_output_is_unchanged_by_a_draft_model(models: dict[str, Path], which: str) -> None:
+    s = NativeSession(str(models["target"]))
+    want, plain = _run(s, SpeculativeConfig(method="off"))
+    got, stats = _run(s, DRAFT, NativeSession(str(models[which])))
+    assert got == want
+    assert stats.verify_steps > 0 and stats.drafted > 0
+    if which == "target":  # drafting with itself: every draft is right, a step gives K + 1 tokens
+        assert stats.accepted == stats.drafted and stats.steps < plain.steps / 2
+    else:
+        assert stats.accepted < stats.drafted
+
+
+def test_drafts_are_the_draft_model_s_own_greedy_tokens(models: dict[str, Path]) -> None:
+    """Drafting in pieces (a sequence that grows by accepted tokens between proposals, the cache
+    caught up each time) gives the tokens one greedy decode of the draft model gives."""
+    want, _ = _run(NativeSession(str(models["other"])), SpeculativeConfig(method="off"), n=12)
+    d = DraftModel(NativeSession(str(models["other"])), 2, 128, MAX_SEQ)
+    seqs = [list(p) for p in PROMPTS]
+    for k, p in enumerate(PROMPTS):
+        d.admit(k, p)
+    while len(seqs[0]) < len(PROMPTS[0]) + 12:
+        got = d.propose({k: (seqs[k], 3) for k in range(2)})
+        for k in range(2):
+            seqs[k] += got[k][:2]  # two of three accepted: the third is written over next time
+    assert [s[len(p):len(p) + 12] for s, p in zip(seqs, PROMPTS, strict=True)] == want
+
+
+def test_a_draft_that_does_not_fit_is_refused(models: dict[str, Path]) -> None:
+    s = NativeSession(str(models["target"]))
+    with pytest.raises(NpucError, match="slots") as e:
+        Scheduler(s, speculative=DRAFT, draft=NativeSession(str(models["one_slot"])))
+    assert e.value.code == "NPUC-E0163"
+    with pytest.raises(NpucError) as e:
+        Scheduler(s, speculative=DRAFT)
+    assert e.value.code == "NPUC-E0163"
+
+
+def test_generate_takes_a_draft(models: dict[str, Path]) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from npuc.cli.main import main
+
+    args = ["generate", str(models["target"]), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "20",
+            "--ignore-eos"]
+    plain = CliRunner().invoke(main, [*args, "--speculative", "off"])
+    drafted = CliRunner().invoke(main, [*args, "--draft", str(models["target"]), "--stats"])
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    assert drafted.stdout.split() == plain.stdout.split()
+    counts = json.loads(drafted.stderr.strip().splitlines()[-1])
+    assert counts["accepted_tokens"] > 0  # (a draft as costly as the target is mostly not worth running)
+    wrong = CliRunner().invoke(main, [*args, "--draft", str(models["target"]), "--speculative", "ngram"])
+    assert wrong.exit_code == 2 and "NPUC-E0163" in wrong.output
