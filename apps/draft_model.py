@@ -26,10 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from npuc.apps.generate import generation_info, logits_f32, prefill_feeds
+from npuc.apps.generate import SLOT, generation_info, logits_f32, prefill_feeds
 from npuc.errors import EXIT_USAGE, NpucError
-
-SLOT = "slot"
 
 
 def _refuse(why: str, hint: str) -> NpucError:
@@ -67,7 +65,6 @@ class DraftModel:
         self._prompt = np.zeros((1, info.prefill_len), dtype=np.int64)
         self._last = np.zeros((1,), dtype=np.int64)
         self._slot = np.zeros((1,), dtype=np.int64)
-        self.steps = 0  # decode steps run (for the cost the scheduler weighs)
 
     def admit(self, k: int, prompt: list[int]) -> None:
         """Prefill slot k with the prompt's head (the rest is caught up on when drafting),
@@ -104,7 +101,6 @@ class DraftModel:
                 held.append(token)
             logits = logits_f32(self.session.run({self.info.ids_name: self._ids, self._pos_name: self._pos},
                                                  "decode", copy_outputs=False)["logits"])
-            self.steps += 1
             for k in feeding:
                 if not pending[k] and len(drafts[k]) < wants[k][1]:
                     token = int(logits[k].reshape(-1, logits.shape[-1])[-1].argmax())

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # either executor: the C library's (native_session) or the to
 
 # The prefill input naming the row whose logits it computes (passes/last_token_logits.py).
 LAST_TOKEN = "last_token"
+SLOT = "slot"  # a slotted prefill's input: which slot it fills (passes/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def prefill_feeds(info: GenerationInfo, prompt: Sequence[int], bufs: tuple[Any, 
         feeds[LAST_TOKEN] = last
     if slot is not None:
         slot_buf[0] = slot
-        feeds["slot"] = slot_buf
+        feeds[SLOT] = slot_buf
     return feeds, n
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from npuc.apps.draft_model import DraftModel
 from npuc.apps.generate import (
+    SLOT,
     GenerationInfo,
     check_prompt,
     copy_row,
@@ -58,8 +59,6 @@ from npuc.apps.speculative import (
     StepTimes,
 )
 from npuc.errors import EXIT_USAGE, NpucError
-
-SLOT = "slot"
 
 
 @dataclass
