@@ -39,6 +39,7 @@ from npuc.apps.openai_format import StopStrings, chat_logprobs, completion_logpr
 from npuc.apps.sampling import GREEDY, SamplingParams
 from npuc.apps.sampling import check as check_sampling
 from npuc.apps.scheduler import Event, Scheduler
+from npuc.apps.speculative import SpeculativeConfig
 from npuc.errors import NpucError
 
 log = logging.getLogger("npuc.serve")
@@ -135,8 +136,9 @@ class Pending:
 class Engine:
     """The one thread that runs the model."""
 
-    def __init__(self, session: Any, max_queue: int) -> None:
-        self.sched = Scheduler(session)
+    def __init__(self, session: Any, max_queue: int, speculative: SpeculativeConfig | None = None,
+                 draft: Any = None) -> None:
+        self.sched = Scheduler(session, speculative=speculative, draft=draft)
         self.max_queue = max_queue
         self.metrics = Metrics()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -345,12 +347,14 @@ def _common(body: dict[str, Any], fields: frozenset[str]) -> tuple[bool, bool]:
 class App:
     """The Starlette application around one Engine."""
 
-    def __init__(self, om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | None = None) -> None:
+    def __init__(self, om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | None = None,
+                 speculative: SpeculativeConfig | None = None, draft: str | None = None) -> None:
         from npuc.runtime.executor import open_session
 
         self.tool_parser = tool_parser
         self.session = open_session(om, device=device)
-        self.engine = Engine(self.session, max_queue)
+        draft_session = open_session(draft, device=device) if draft is not None else None
+        self.engine = Engine(self.session, max_queue, speculative, draft_session)
         self.model_name = om.rsplit("/", 1)[-1].removesuffix(".om")
         self.info = self.engine.sched.info
         self.encode: Callable[[str], list[int]] | None = None
@@ -610,8 +614,10 @@ def _finish(reason: str | None) -> str | None:
     return {"cache_full": "length", "cancelled": None}.get(reason or "", reason)
 
 
-def build(om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | None = None) -> Any:
-    """The ASGI application for `om`."""
+def build(om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | None = None,
+          speculative: SpeculativeConfig | None = None, draft: str | None = None) -> Any:
+    """The ASGI application for `om`; `speculative` and `draft` (a draft model's .om) as
+    apps/scheduler.Scheduler takes them."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
@@ -619,7 +625,7 @@ def build(om: str, max_queue: int = 64, device: str = "cpu", tool_parser: str | 
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    app_state = App(om, max_queue, device, tool_parser)
+    app_state = App(om, max_queue, device, tool_parser, speculative, draft)
     engine = app_state.engine
 
     def error(e: RequestError) -> JSONResponse:
@@ -849,10 +855,10 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 def run(om: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64, device: str = "cpu",
-        tool_parser: str | None = None) -> None:
+        tool_parser: str | None = None, speculative: SpeculativeConfig | None = None, draft: str | None = None) -> None:
     import uvicorn
 
-    app = build(om, max_queue, device, tool_parser)
+    app = build(om, max_queue, device, tool_parser, speculative, draft)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
     server = uvicorn.Server(config)
     original = server.handle_exit

@@ -28,7 +28,7 @@ import re
 import secrets
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -242,6 +242,39 @@ def _parse_ids(text: str) -> list[int]:
     return [int(t) for t in re.findall(_ID, text, re.ASCII)]
 
 
+def _speculative_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """generate's and serve's speculative-decoding flags (docs/serving.md)."""
+    options = [
+        click.option("--speculative", type=click.Choice(["ngram", "draft", "off"]), default=None,
+                     help="Speculative decoding where the .om has a verify program (--speculative_tokens): n-gram "
+                          "prompt lookup (the default), or a draft model (--draft; the default where one is given); "
+                          "switched off by itself while its drafts are not accepted."),
+        click.option("--draft", "draft", default=None, metavar="OM",
+                     help="A draft model's .om (the same vocabulary and slots) for --speculative draft."),
+        click.option("--ngram-max", "--ngram_max", "ngram_max", type=click.IntRange(1, 32), default=4,
+                     show_default=True, help="The longest suffix the n-gram drafter looks up."),
+        click.option("--ngram-min", "--ngram_min", "ngram_min", type=click.IntRange(1, 32), default=2,
+                     show_default=True, help="The shortest suffix the n-gram drafter looks up."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _speculative_config(speculative: str | None, draft: str | None, ngram_min: int, ngram_max: int) -> Any:
+    """The scheduler's SpeculativeConfig from the flags (NPUC-E0162, NPUC-E0163 for ones that
+    do not go together)."""
+    from npuc.apps.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(method=speculative or ("draft" if draft else "ngram"), ngram_min=ngram_min,
+                             ngram_max=ngram_max)
+    spec.check()
+    if draft is not None and spec.method != "draft":
+        raise NpucError("NPUC-E0163", f"--draft with --speculative {spec.method}", "drop one of them",
+                        exit_code=EXIT_USAGE)
+    return spec
+
+
 @main.command()
 @click.argument("om")
 @click.option("--prompt-ids", "--prompt_ids", "prompt_ids", metavar="ID,ID,...", multiple=True,
@@ -269,16 +302,7 @@ def _parse_ids(text: str) -> list[int]:
               show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
               help="Sample reproducibly (prompt i with seed S + i); without it, a random seed.")
-@click.option("--speculative", type=click.Choice(["ngram", "draft", "off"]), default=None,
-              help="Speculative decoding where the .om has a verify program (--speculative_tokens): n-gram prompt "
-                   "lookup (the default), or a draft model (--draft; the default where one is given); switched off "
-                   "by itself while its drafts are not accepted.")
-@click.option("--draft", "draft", default=None, metavar="OM",
-              help="A draft model's .om (the same vocabulary and slots, --decode_tokens 1) for --speculative draft.")
-@click.option("--ngram-max", "--ngram_max", "ngram_max", type=click.IntRange(1, 32), default=4, show_default=True,
-              help="The longest suffix the n-gram drafter looks up.")
-@click.option("--ngram-min", "--ngram_min", "ngram_min", type=click.IntRange(1, 32), default=2, show_default=True,
-              help="The shortest suffix the n-gram drafter looks up.")
+@_speculative_options
 @click.option("--stats", is_flag=True, help="Print the decode steps' counts (steps, drafted and accepted tokens, "
                                              "tokens per step) to stderr as JSON.")
 @click.option("--device", default="cpu", help="cpu, or cuda when torch sees a GPU.")
@@ -300,7 +324,7 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     from npuc.apps.sampling import SamplingParams
     from npuc.apps.sampling import check as check_sampling
     from npuc.apps.scheduler import generate_many
-    from npuc.apps.speculative import SpeculationStats, SpeculativeConfig
+    from npuc.apps.speculative import SpeculationStats
     from npuc.runtime.executor import open_session
 
     if tp is not None and tp > 1 and "WORLD_SIZE" not in os.environ:
@@ -323,12 +347,7 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
     if parallel is not None:
         ids, sampling = parallel.share((ids, sampling))  # rank 0's; every rank runs the same steps
     check_sampling(sampling, generation_info(sess).vocab)
-    spec = SpeculativeConfig(method=speculative or ("draft" if draft else "ngram"), ngram_min=ngram_min,
-                             ngram_max=ngram_max)
-    spec.check()
-    if draft is not None and spec.method != "draft":
-        raise NpucError("NPUC-E0163", f"--draft with --speculative {spec.method}", "drop one of them",
-                        exit_code=EXIT_USAGE)
+    spec = _speculative_config(speculative, draft, ngram_min, ngram_max)
     draft_sess = open_session(draft, device=device) if draft is not None else None
     counts = SpeculationStats()
     outs = generate_many(sess, [list(p) for p in ids], max_new_tokens, ignore_eos, sampling, spec, counts,
@@ -361,9 +380,11 @@ def generate(om: str, prompt_ids: tuple[str, ...], prompt: tuple[str, ...], prom
 @click.option("--tool-call-parser", "--tool_call_parser", "tool_parser",
               type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
               help="The tool-call format the model writes (default: read from its chat template).")
+@_speculative_options
 @click.option("--debug", is_flag=True)
 @handle_errors
-def serve(om: str, host: str, port: int, max_queue: int, device: str, tool_parser: str | None, debug: bool) -> None:
+def serve(om: str, host: str, port: int, max_queue: int, device: str, tool_parser: str | None,
+          speculative: str | None, draft: str | None, ngram_max: int, ngram_min: int, debug: bool) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /health,
     /metrics) over a .om compiled with --max_seq_len; its slots decode requests together
     (docs/serving.md). Needs npuc[serve]."""
@@ -373,9 +394,10 @@ def serve(om: str, host: str, port: int, max_queue: int, device: str, tool_parse
     except ImportError:
         raise NpucError("NPUC-E0104", "npuc serve needs Starlette and uvicorn", "pip install 'npuc[serve]'",
                         exit_code=EXIT_USAGE) from None
+    spec = _speculative_config(speculative, draft, ngram_min, ngram_max)
     from npuc.apps.serve import run
 
-    run(om, host, port, max_queue, device, tool_parser)
+    run(om, host, port, max_queue, device, tool_parser, spec, draft)
 
 
 def _without_tp(argv: Sequence[str]) -> list[str]:

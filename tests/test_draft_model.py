@@ -99,3 +99,60 @@ def test_generate_takes_a_draft(models: dict[str, Path]) -> None:
     assert counts["accepted_tokens"] > 0  # (a draft as costly as the target is mostly not worth running)
     wrong = CliRunner().invoke(main, [*args, "--draft", str(models["target"]), "--speculative", "ngram"])
     assert wrong.exit_code == 2 and "NPUC-E0163" in wrong.output
+
+
+def test_serve_takes_a_draft(models: dict[str, Path]) -> None:
+    """`npuc serve --draft`: a completion's tokens are the greedy ones, and /metrics counts the
+    drafts checked; --draft with another method is refused before the model loads."""
+    import http.client
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    from click.testing import CliRunner
+
+    from npuc.cli.main import main
+
+    wrong = CliRunner().invoke(main, ["serve", str(models["target"]), "--draft", "x.om", "--speculative", "off"])
+    assert wrong.exit_code == 2 and "NPUC-E0163" in wrong.output
+    want, _ = _run(NativeSession(str(models["target"])), SpeculativeConfig(method="off"), n=16)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "npuc", "serve", str(models["target"]), "--port", str(port),
+                             "--draft", str(models["target"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+    def call(method: str, path: str, body: Any = None) -> tuple[int, str]:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request(method, path, body=json.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read().decode()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if call("GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-2000:]
+                time.sleep(0.2)
+        for p, w in zip(PROMPTS, want, strict=True):
+            status, text = call("POST", "/v1/completions", {"prompt": p, "max_tokens": 16, "temperature": 0,
+                                                            "ignore_eos": True})
+            assert status == 200, text
+            choice = json.loads(text)["choices"][0]
+            assert choice["token_ids"] == w
+        metrics = dict(line.split() for line in call("GET", "/metrics")[1].splitlines()
+                       if line.startswith("npuc_draft_"))
+        assert float(metrics["npuc_draft_tokens_total"]) > 0
+        assert float(metrics["npuc_draft_accepted_tokens_total"]) == float(metrics["npuc_draft_tokens_total"])
+    finally:
+        proc.kill()
+        proc.communicate()
