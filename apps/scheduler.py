@@ -17,6 +17,12 @@ A free slot still runs in the decode step (the shapes are static): token 0 at po
 its own cache rows, which no request reads, since a prefill writes a slot's rows before any
 query of its request can see them.
 
+A model compiled with `--mixed_tokens C` has a `mixed` program of B + C rows (B the slots),
+each row of its own slot at its own position. A request admitted while other slots decode
+then skips the prefill: each step runs one row for every decoding slot and the prompt's next
+tokens in the rows left (a mixed step), so the slots decoding wait for C prompt rows a step,
+not for a whole prefill; once no prompt is being fed, steps are plain decode again.
+
 A model compiled with `--decode_tokens C` decodes C tokens of each slot a step. A request
 admitted while other slots decode then skips the prefill: its prompt goes through the
 decode steps C tokens at a time (chunked prefill), so the slots decoding never wait for a
@@ -59,6 +65,8 @@ from npuc.apps.speculative import (
     StepTimes,
 )
 from npuc.errors import EXIT_USAGE, NpucError
+
+MIXED = "mixed"  # the program --mixed_tokens compiles (compiler/flag_checks.py)
 
 
 @dataclass
@@ -145,6 +153,14 @@ class Scheduler:
                                 "give --draft small.om (a model of the same vocabulary)", exit_code=EXIT_USAGE)
             if self._spec_on:
                 self._draft = DraftModel(draft, self.slots, self.info.vocab, self.info.max_seq_len)
+        # The mixed step: where the model has one (and no recurrent state, which only a prefill resets)
+        mixed = s.programs.get(MIXED) if hasattr(s.programs, "get") else None
+        self._mrows = next(t.shape[1] for t in mixed.inputs if t.name == self._ids_name) if mixed else 0
+        self._mixed_on = bool(self._mrows) and self._slotted and not self.info.recurrent
+        self._mids = np.zeros((1, self._mrows), dtype=np.int64)
+        self._mpos = np.zeros((1, self._mrows), dtype=np.int64)
+        self._mslot = np.zeros((self._mrows,), dtype=np.int64)
+        self._streaming = False
         # Prefix reuse (apps/prefix_cache.py): where the model has a prefix pool
         entries = int(getattr(s, "prefix_entries", 0) or 0)
         self.prefixes = PrefixBook(entries) if entries and not self.info.recurrent else None
@@ -251,12 +267,17 @@ class Scheduler:
 
     def step(self) -> list[Event]:
         events: list[Event] = []
+        # slots that streamed tokens before this step: what a mixed step keeps steady
+        self._streaming = any(r is not None and r.tokens for r in self._running)
         free = [k for k in range(self.slots) if self._running[k] is None]
         while self._queue and len(free) > len(self._queue[0].siblings):  # in order: a group waits for its slots
             lead = self._queue.popleft()
             taken, free = free[:1 + len(lead.siblings)], free[1 + len(lead.siblings):]
             self._admit(lead, taken[0], events, taken[1:])
         if not self.active:
+            return events
+        if self._mixed_on and any(r is not None and len(r.feed) > 1 for r in self._running):
+            self._mixed_step(events)
             return events
         program = self._plan()
         c = self._vrows if program == VERIFY else self.tokens
@@ -306,6 +327,42 @@ class Scheduler:
             self.stats.tokens += len(r.tokens) - before
         self._drafts.clear()
         return events
+
+    def _mixed_step(self, events: list[Event]) -> None:
+        """One step of the mixed program: a row for each decoding slot, then the prompts being
+        fed, as many of their tokens as the rows left hold; the rows after repeat the last
+        (token, position, slot), which writes the same key and value again."""
+        rows: list[tuple[int, int, int]] = []  # (slot, token, position)
+        fed: dict[int, list[int]] = {}  # slot -> the rows it fed
+        for phase in (0, 1):  # the decoding slots first: none of them waits for a prompt
+            for k, r in enumerate(self._running):
+                if r is None or (len(r.feed) > 1) != bool(phase):
+                    continue
+                n = min(len(r.feed), self._mrows - len(rows))
+                if n <= 0:
+                    continue
+                fed[k] = list(range(len(rows), len(rows) + n))
+                rows += [(k, r.feed[i], r.pos + i) for i in range(n)]
+        for i in range(self._mrows):
+            k, token, pos = rows[min(i, len(rows) - 1)]
+            self._mids[0, i], self._mpos[0, i], self._mslot[i] = token, pos, k
+        out = self.session.run({self._ids_name: self._mids, self._pos_name: self._mpos, SLOT: self._mslot}, MIXED,
+                               copy_outputs=False)
+        logits = logits_f32(out["logits"])[0]
+        self.stats.steps += 1
+        for k, at in fed.items():
+            r = self._running[k]
+            assert r is not None
+            if r.prompt_logprobs:  # row i scores the token after the one it fed
+                for i, row in enumerate(at):
+                    if r.pos + i + 1 < len(r.prompt):
+                        r.prompt_lp.append(token_logprobs(logits[row], r.prompt[r.pos + i + 1], r.logprobs))
+            del r.feed[:len(at)]
+            r.pos += len(at)
+            if not r.feed:
+                before = len(r.tokens)
+                self._choose(r, logits[at[-1]], events)
+                self.stats.tokens += len(r.tokens) - before
 
     def _plan(self) -> str:
         """The program of this step: verify (with each decoding slot's drafts in self._drafts)
@@ -388,9 +445,13 @@ class Scheduler:
                 if q.spec is not None:
                     self._draft.admit(kq, q.prompt)
         scored = r.prompt_logprobs and (info.last_token or self._decode_rows != self.tokens)
-        if (self.tokens > 1 and self.active and not scored and not r.siblings) or (r.prompt_logprobs and info.last_token):
-            # Slots are decoding: the prompt goes through the decode steps, C tokens a step,
-            # rather than a prefill the decoding slots would wait for (chunked prefill). A
+        chunked = (self.tokens > 1 and self.active) or (self._mixed_on and self._streaming)
+        if (chunked and not scored and not r.siblings) or (r.prompt_logprobs and info.last_token):
+            # Slots are decoding: the prompt goes through the mixed steps (or the decode steps, C
+            # tokens a step), rather than a prefill the decoding slots would wait for. (Mixed
+            # steps only where a slot streamed before this step: requests admitted together,
+            # whose first tokens nobody waits between, are prefilled: that costs no latency and
+            # keeps a burst's throughput.) A
             # prompt to score whose prefill keeps only its last row of logits goes that way
             # too: each step's rows score the prompt tokens after the ones fed (each of a group
             # its own: the one case where a group's prompt runs more than once).

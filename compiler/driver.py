@@ -29,12 +29,14 @@ from npuc.backend.writer import WEIGHTS
 from npuc.compiler import instrument, sharded
 from npuc.compiler.flag_checks import (
     KV_CACHE_DTYPE_NAMES,
+    MIXED,
     VERIFY,
     check_decode_tokens,
     check_input_format,
     check_input_layout,
     check_kv_cache_dtype,
     check_max_seq_len,
+    check_mixed_tokens,
     check_prefill_logits,
     check_prefix_cache,
     check_speculative_tokens,
@@ -357,7 +359,8 @@ def _decode_inputs(model: Any, prefill: Graph, max_seq_len: int, input_dtypes: M
 
 @at_cache_length  # RoPE whose frequencies depend on the length: compiler/rope_scaling.py
 def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any] | None, max_seq_len: int,
-                   *, trust_pickle: bool = False, decode_tokens: int = 1) -> tuple[Graph, Graph, LongTrace, Source]:
+                   *, trust_pickle: bool = False, decode_tokens: int = 1,
+                   one_sequence: bool = False) -> tuple[Graph, Graph, LongTrace, Source]:
     """What `--max_seq_len` compiles, imported: the prefill program (the --input_shape
     tokens at positions 0..), the decode program (one token, traced at
     DECODE_TRACE_POSITION) and the RoPE tables of every position to cache.
@@ -369,8 +372,14 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
 
     A batch of B > 1 token ids makes B slots: prefill and the long trace run one sequence,
     decode all B (LongTrace.slots; passes/kv_cache.py), from a second trace at batch B.
-    `decode_tokens` C > 1: decode runs C tokens of each slot a step (LongTrace.decode_tokens)."""
+    `decode_tokens` C > 1: decode runs C tokens of each slot a step (LongTrace.decode_tokens).
+    `one_sequence`: decode is traced at batch 1 whatever the slots (the mixed step's rows,
+    each of its own slot: LongTrace.mixed)."""
     _check_room(decode_tokens, max_seq_len - DECODE_TRACE_POSITION)
+    if _is_onnx(model) and one_sequence:
+        raise NpucError("NPUC-E0124", "--mixed_tokens with an ONNX model is not supported yet",
+                        "compile the model's PyTorch or Hugging Face form, or leave --mixed_tokens out",
+                        exit_code=EXIT_USAGE)
     if _is_onnx(model):
         return _onnx_programs(model, input_shape, max_seq_len, decode_tokens)
     loaded = _load(model, input_dtypes, trust_pickle)
@@ -381,7 +390,7 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     if slots > 1:
         shapes = {k: (1, *v[1:]) for k, v in shapes.items()}
     programs = _one_trace(loaded, shapes, max_seq_len, decode_tokens)
-    if programs is not None and slots > 1:
+    if programs is not None and slots > 1 and not one_sequence:
         batched = _one_trace(loaded, {k: (slots, *v[1:]) for k, v in shapes.items()}, max_seq_len, decode_tokens)
         programs = None if batched is None else (programs[0], batched[1], programs[2], batched[3], *programs[4:])
     if programs is not None:
@@ -412,8 +421,8 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
                     _token_ids(prefill, max_seq_len)
                     return prefill, decode, tables, source
     prefill = _import(loaded, _export(loaded, shapes))
-    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded, slots=slots,
-                                    decode_tokens=decode_tokens)
+    decode, tables = _decode_inputs(model, prefill, max_seq_len, input_dtypes, loaded,
+                                    slots=1 if one_sequence else slots, decode_tokens=decode_tokens)
     return prefill, decode, dataclasses.replace(tables, slots=slots, decode_tokens=decode_tokens), source
 
 
@@ -660,6 +669,7 @@ def compile_model(
     prefill_logits: str | None = None,
     decode_tokens: int | None = None,
     speculative_tokens: int | None = None,
+    mixed_tokens: int | None = None,
     prefix_cache: int | None = None,
     quant_type: str | None = None,
     group_size: int | None = None,
@@ -697,6 +707,9 @@ def compile_model(
     `speculative_tokens` K (with `max_seq_len`) adds a third program, `verify`: K + 1 tokens
     of each slot a step, every row's logits (speculative decoding's check of K drafted
     tokens, and prompt chunks after a prefix-cache hit: apps/speculative.py).
+    `mixed_tokens` C (with `max_seq_len`) adds the `mixed` program: B + C rows a step (B the
+    slots), each of its own slot at its own position (a `slot` input [B + C]), every row's
+    logits: each decoding slot's token beside a prompt's next C tokens (apps/scheduler.py).
     `prefix_cache` P (with `max_seq_len`) adds a pool of P prompt prefixes to the state
     region, each up to max_seq_len positions of every cache (backend/lower.py).
     `kv_cache_dtype` (with `max_seq_len`): the key and value caches' dtype, "auto" (the
@@ -722,6 +735,7 @@ def compile_model(
     check_max_seq_len(max_seq_len)
     check_decode_tokens(decode_tokens, max_seq_len)
     check_speculative_tokens(speculative_tokens, max_seq_len, tp)
+    check_mixed_tokens(mixed_tokens, max_seq_len, tp)
     check_prefix_cache(prefix_cache, max_seq_len, tp)
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
     quant = check_quant(quant_type, group_size)
@@ -755,11 +769,16 @@ def compile_model(
             verify_graph, verify_tables = build_programs(model, input_shape, input_dtypes, max_seq_len,
                                                          trust_pickle=trust_pickle,
                                                          decode_tokens=speculative_tokens + 1)[1:3]
+        if mixed_tokens:  # the decode program again, at batch 1: a row for each slot and the prompt's C
+            mixed_graph, mixed_tables = build_programs(model, input_shape, input_dtypes, max_seq_len,
+                                                       trust_pickle=trust_pickle, one_sequence=True,
+                                                       decode_tokens=max(tables.slots, 1) + mixed_tokens)[1:3]
+            mixed_tables = dataclasses.replace(mixed_tables, mixed=True)
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
                      max_seq_len=max_seq_len, decode_tokens=decode_tokens, soc_version=soc_version,
-                     speculative_tokens=speculative_tokens, prefix_cache=prefix_cache,
+                     speculative_tokens=speculative_tokens, mixed_tokens=mixed_tokens, prefix_cache=prefix_cache,
                      out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
                      kv_cache_dtype=KV_CACHE_DTYPE_NAMES[kv_dtype] if kv_dtype is not None else None,
@@ -770,12 +789,16 @@ def compile_model(
     if decode_graph is not None and max_seq_len is not None:
         select_outputs(decode_graph, out_nodes)
         passes, decode_passes, *more = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize,
-                                                 kv_dtype, verify_tables if speculative_tokens else None)
+                                                 kv_dtype, verify_tables if speculative_tokens else None,
+                                                 mixed_tables if mixed_tokens else None)
         graph.name = "prefill"
         decode_graph.name = "decode"
         if speculative_tokens:
             select_outputs(verify_graph, out_nodes)
-            verify_graph.name, verify_passes = VERIFY, more[0]
+            verify_graph.name, verify_passes = VERIFY, more.pop(0)
+        if mixed_tokens:
+            select_outputs(mixed_graph, out_nodes)
+            mixed_graph.name, mixed_passes = MIXED, more.pop(0)
         gen_meta, read = _generation_meta(model, max_seq_len)
         meta.update(gen_meta)
         extra, tok_files = _tokenizer_section(model)
@@ -810,6 +833,10 @@ def compile_model(
         if speculative_tokens:
             progress.stage("optimise verify", len(verify_passes))
             graphs.append(instrument.run_pipeline(verify_graph, verify_passes, verify_each=debug,
+                                                  on_pass=progress.advance).graph)
+        if mixed_tokens:
+            progress.stage("optimise mixed", len(mixed_passes))
+            graphs.append(instrument.run_pipeline(mixed_graph, mixed_passes, verify_each=debug,
                                                   on_pass=progress.advance).graph)
     if time_passes:
         print(instrument.format_timings(run), file=sys.stderr)
@@ -918,14 +945,15 @@ def _probe_first(probe: Graph, passes: list[Pass], debug: bool) -> list[Pass]:
 def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int | None = None,
               trace: LongTrace | None = None, prefill_logits: str | None = None,
               quantize: Quantize | None = None, kv_cache_dtype: DType | None = None,
-              verify: LongTrace | None = None) -> list[list[Pass]]:
+              verify: LongTrace | None = None, mixed: LongTrace | None = None) -> list[list[Pass]]:
     """The pass list of each program: the one program, or with `max_seq_len` prefill and
     decode over a KV cache of that many positions (the RoPE tables and attention windows
     from build_programs).
     `prefill_logits` as check_prefill_logits returns it: None (the default) computes the
     last row's logits where the model allows, "last" insists, "all" keeps every row.
     `kv_cache_dtype` as check_kv_cache_dtype returns it (None: auto). `verify` (the trace at
-    --speculative_tokens + 1 tokens a step) adds the verify program's passes, a decode's."""
+    --speculative_tokens + 1 tokens a step) adds the verify program's passes, a decode's;
+    `mixed` (the trace at batch 1 of --mixed_tokens + slots rows) the mixed program's after it."""
     if max_seq_len is None:
         return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, quantize=quantize,
                                  quant_activations=target.quant_activations)]
@@ -935,15 +963,17 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     programs = [("prefill", 0, trace), ("decode", DECODE_TRACE_POSITION, trace)]
     if verify is not None:
         programs.append(("decode", DECODE_TRACE_POSITION, verify))
+    if mixed is not None:
+        programs.append(("decode", DECODE_TRACE_POSITION, mixed))
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, t.tables, position, t.windows,
                                      t.decode_positions, t.layers, t.alibi, t.slots,
-                                     t.decode_tokens, kv_cache_dtype) if t else
+                                     t.decode_tokens, kv_cache_dtype, t.mixed) if t else
                              KVCache(role, cache_len, (), position, cache_dtype=kv_cache_dtype),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,
-                             decode_check=DecodeCheck(role, probe,
-                                                      position_ids=bool(t and t.decode_positions)))
+                             decode_check=DecodeCheck(role, probe, position_ids=bool(t and t.decode_positions))
+                             if not (t and t.mixed) else None)  # the decode program of the same trace is checked
             for role, position, t in programs]
 
 

@@ -12,7 +12,7 @@ from npuc.ir import DType, Graph
 __all__ = ["INPUT_FORMATS", "KV_CACHE_DTYPES", "KV_CACHE_DTYPE_NAMES", "MAX_PREFIX_CACHE", "MAX_SPECULATIVE_TOKENS",
            "PREFILL_LOGITS", "VERIFY", "check_decode_tokens", "check_input_format", "check_input_layout",
            "check_kv_cache_dtype", "check_max_seq_len", "check_prefill_logits", "check_prefix_cache",
-           "check_speculative_tokens"]
+           "check_speculative_tokens", "MIXED", "check_mixed_tokens"]
 
 
 def check_max_seq_len(max_seq_len: Any) -> None:
@@ -55,6 +55,17 @@ def _check_count(flag: str, v: Any, most: int, hint: str, max_seq_len: int | Non
 def check_speculative_tokens(k: Any, max_seq_len: int | None, tp: Any = None) -> None:
     _check_count("--speculative_tokens", k, MAX_SPECULATIVE_TOKENS,
                  "give the drafted tokens a verify step checks, e.g. --speculative_tokens 7", max_seq_len, tp)
+
+
+# The program --mixed_tokens adds (apps/scheduler.py runs it while a prompt is admitted).
+MIXED = "mixed"
+MAX_MIXED_TOKENS = 64
+
+
+def check_mixed_tokens(c: Any, max_seq_len: int | None, tp: Any = None) -> None:
+    _check_count("--mixed_tokens", c, MAX_MIXED_TOKENS,
+                 "give the prompt tokens a mixed step runs beside one token of each slot, e.g. --mixed_tokens 4",
+                 max_seq_len, tp)
 
 
 MAX_PREFIX_CACHE = 1024

@@ -25,6 +25,7 @@ from npuc.compiler.flag_checks import (
     check_input_layout,
     check_kv_cache_dtype,
     check_max_seq_len,
+    check_mixed_tokens,
     check_prefill_logits,
     check_prefix_cache,
     check_speculative_tokens,
@@ -70,7 +71,8 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              quant_exclude: str | os.PathLike[str] | Sequence[str] | None = None,
              quant_strict: bool = False, trust_pickle: bool = False,
              decode_tokens: int | None = None, kv_cache_dtype: str | None = None,
-             speculative_tokens: int | None = None, prefix_cache: int | None = None) -> PrecheckReport:
+             speculative_tokens: int | None = None, prefix_cache: int | None = None,
+             mixed_tokens: int | None = None) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -91,6 +93,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     attempt("decode_tokens", lambda: check_decode_tokens(decode_tokens, max_seq_len), None)
     attempt("speculative_tokens", lambda: check_speculative_tokens(speculative_tokens, max_seq_len), None)
     attempt("prefix_cache", lambda: check_prefix_cache(prefix_cache, max_seq_len), None)
+    attempt("mixed_tokens", lambda: check_mixed_tokens(mixed_tokens, max_seq_len), None)
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)
     kv_dtype = attempt("kv_cache_dtype", lambda: check_kv_cache_dtype(kv_cache_dtype, max_seq_len), None)

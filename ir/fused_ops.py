@@ -305,7 +305,9 @@ def _kv_write_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
         new = new.to(cache.dtype)
     if new.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
         new = new.clone()  # rows of the cache itself, viewed (a conv window moving on: recurrent_state.py)
-    if len(xs) > 3:  # one sequence into its slot
+    if len(xs) > 3 and xs[3].numel() > 1:  # row i into slot[i] at position[i] (a mixed step)
+        cache[xs[3].long(), :, pos.reshape(-1).long()] = new[0].transpose(0, 1)
+    elif len(xs) > 3:  # one sequence into its slot
         cache[int(xs[3].reshape(-1)[0])].index_copy_(1, pos.reshape(-1).long(), new[0])
     elif pos.dim() == 2:  # each sequence at its own positions
         for b in range(cache.shape[0]):
@@ -325,7 +327,8 @@ def _converts_rows(cache: DType, rows: DType) -> bool:
     flops=lambda i, o, a: 0,
     doc="the KV cache with new's rows written at the given positions (in place): cache [b,h,max_len,d], "
         "new [b,h,s,d], position i64 [s] or [b,s] (each sequence at its own); with slot i64 [1], new is "
-        "one sequence [1,h,s,d] written into cache[slot]. A cache of another dtype than new's (new f32 or bf16): "
+        "one sequence [1,h,s,d] written into cache[slot]; with slot i64 [s], row i of new [1,h,s,d] goes to "
+        "cache[slot[i]] at position[i] (rows of several sequences: a mixed step). A cache of another dtype than new's (new f32 or bf16): "
         "f32, bf16 or f16 rows (rounded to nearest even), or i8 rows of d + 4 bytes, each an f32 scale "
         "(max|row| / 127) then d codes round(x / scale) in -127..127")
 def _kv_write(ins: T, attrs: A) -> list[TensorType]:
@@ -339,13 +342,19 @@ def _kv_write(ins: T, attrs: A) -> list[TensorType]:
                                                                            is not None else ""))
     if not positions_fit(pos, new.shape[0], new.shape[2]):
         raise ShapeError(f"kv_write position {pos} should be i64[{new.shape[2]}] or [{new.shape[0]},{new.shape[2]}]")
-    if slot is not None and (slot.shape != (1,) or slot.dtype not in (DType.i64, DType.i32)):
-        raise ShapeError(f"kv_write slot {slot} should be i64[1]")
+    if slot is not None and (slot.shape not in ((1,), (new.shape[2],)) or slot.dtype not in (DType.i64, DType.i32)):
+        raise ShapeError(f"kv_write slot {slot} should be i64[1] or [{new.shape[2]}] (each row's)")
     return [cache]
 
 
 def _cached_attention_kernel(xs: list[torch.Tensor], a: A) -> torch.Tensor:
     q, kc, vc, pos = xs[:4]
+    if a["slotted"]:  # query row i over cache[slot[i]]: the rows as sequences of one token each
+        slot, s = xs[-1].long(), q.shape[2]
+        rows = q.transpose(0, 2)  # [s, hq, 1, d]
+        out = _cached_attention_kernel([rows, kc[slot], vc[slot], pos.reshape(s, 1), *xs[4:-1]],
+                                       {**a, "slotted": 0})
+        return out.transpose(0, 2).contiguous()
     if kc.dtype != q.dtype or kc.dtype == torch.int8:
         # a cache of another layout than q's dtype: its rows read as f32 (int8: code * scale),
         # the scores and softmax in f32, the result rounded once to q's dtype
@@ -365,24 +374,34 @@ def _cached_attention_flops(ins: T, outs: T, attrs: A) -> int:
     return _sdpa_flops(ins, outs, attrs)
 
 
-@op("cached_attention", ("q", "k_cache", "v_cache", "position", "sinks?"),
-    {"scale": Attr("float"), "window": Attr("int", 0), "softcap": Attr("float", 0.0), "alibi": Attr("floats", ())},
+@op("cached_attention", ("q", "k_cache", "v_cache", "position", "sinks?", "slot?"),
+    {"scale": Attr("float"), "window": Attr("int", 0), "softcap": Attr("float", 0.0), "alibi": Attr("floats", ()),
+     "slotted": Attr("int", 0)},
     kernel=_cached_attention_kernel, flops=_cached_attention_flops, unit="cube",
     doc="causal attention of q over a KV cache: query i at position[i] attends cached keys 0..position[i] "
         "(position[i]-window+1.. with a sliding window; scores soft-capped, sinks and ALiBi as fused_attention's, from position[i]); "
         "q [b,hq,s,d], caches [b,hkv,max_len,d] / [..,dv], position i64 [s] or [b,s] (each sequence at its own). "
         "Caches of another dtype than q's (q f32 or bf16; k and v alike): f32, bf16, f16, or i8 rows of d + 4 "
-        "bytes (kv_write's), read as code * scale; scores and softmax in f32, the result in q's dtype")
+        "bytes (kv_write's), read as code * scale; scores and softmax in f32, the result in q's dtype. "
+        "slotted=1: the last operand is slot i64 [s], and query row i of q [1,hq,s,d] attends cache[slot[i]] "
+        "(rows of several sequences: a mixed step)")
 def _cached_attention(ins: T, attrs: A) -> list[TensorType]:
     q, kc, vc, pos = ins[:4]
-    if len(ins) == 5 and (ins[4].shape != (q.shape[1],) or not ins[4].dtype.is_float):
-        raise ShapeError(f"cached_attention sinks {ins[4]} should be a float [{q.shape[1]}]")
+    slotted = attrs["slotted"]
+    if slotted not in (0, 1) or (slotted and len(ins) < 5):
+        raise ShapeError("cached_attention's slotted is 0, or 1 with a last operand slot")
+    sinks = ins[4] if len(ins) == 5 + slotted else None
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.dtype.is_float):
+        raise ShapeError(f"cached_attention sinks {sinks} should be a float [{q.shape[1]}]")
     if attrs["window"] < 0 or attrs["softcap"] < 0:
         raise ShapeError("cached_attention's window is a number of keys (>= 0), its softcap >= 0")
-    if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] or q.shape[0] != kc.shape[0] \
+    if q.rank != 4 or kc.rank != 4 or vc.rank != 4 or kc.shape[:3] != vc.shape[:3] \
+            or q.shape[0] != (1 if slotted else kc.shape[0]) \
             or kc.shape[-1] != kv_cache_width(kc.dtype, q.shape[-1]) or q.shape[1] % kc.shape[1] \
             or vc.shape[-1] < kv_cache_width(vc.dtype, 1):
         raise ShapeError(f"cached_attention q {q}, caches {kc} / {vc} do not fit")
+    if slotted and (ins[-1].shape != (q.shape[2],) or ins[-1].dtype not in (DType.i64, DType.i32)):
+        raise ShapeError(f"cached_attention slot {ins[-1]} should be i64[{q.shape[2]}], one per row of q {q}")
     if not positions_fit(pos, q.shape[0], q.shape[2]):
         raise ShapeError(f"cached_attention position {pos} should be i64[{q.shape[2]}] or [{q.shape[0]},{q.shape[2]}]")
     _check_alibi("cached_attention", attrs, q.shape[1])

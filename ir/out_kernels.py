@@ -330,8 +330,9 @@ def _kv_write(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     (ir/fused_ops.quantize_kv_rows) step by step in the workspace, then the same copy."""
     cache, new, pos = xs[:3]
     if cache.dtype != torch.int8 or ws is None or new.dim() != 4 or not new.dtype.is_floating_point \
-            or pos.dtype != torch.int64 or (len(xs) > 3 and xs[3].dtype != torch.int64):
-        return False  # a cache in new's dtype or a half one: the reference converts in place already
+            or pos.dtype != torch.int64 or (len(xs) > 3 and (xs[3].dtype != torch.int64 or xs[3].numel() != 1)):
+        return False  # a cache in new's dtype or a half one (the reference converts in place already), or each
+        # row into its own slot (a mixed step: the reference's)
     b, h, s, d = new.shape
     x = _f32(ws, 0, (b, h, s, d)).copy_(new)
     off = x.numel() * F32
@@ -374,7 +375,7 @@ def _packed_ok(c: torch.Tensor) -> bool:
 @out_kernel("cached_attention", workspace=_cached_attention_ws)
 def _cached_attention(xs: Ts, a: A, outs: Ts, ws: torch.Tensor | None) -> bool:
     if len(xs) != 4 or (a["alibi"] and xs[3].dim() == 2):
-        return False  # attention sinks, or ALiBi from each sequence's position: the reference kernel's
+        return False  # attention sinks, ALiBi from each sequence's position, rows of several slots: the reference's
     q, kc, vc, pos = xs
     out = outs[0]
     # half operands, or a cache of another layout than q (--kv_cache_dtype): scores and

@@ -147,6 +147,9 @@ class LongTrace:
     slots: int = 0
     # Tokens of each slot a decode step runs (KVCache.decode_tokens): --decode_tokens.
     decode_tokens: int = 1
+    # The mixed program (KVCache.mixed): the decode trace at batch 1 whose rows each name
+    # their slot of the `slots` the cache holds.
+    mixed: bool = False
     # The prefill program at a few tokens (the same trace), where the prefill is longer: what
     # the decode-check pass runs with the reference kernels instead of the whole prompt.
     probe: Any = field(default=None, compare=False)
@@ -195,6 +198,11 @@ class KVCache(Pass):
     # are; None (auto): the model's dtype, which the precision pass converts with the attention.
     # Latent (MLA) and conv caches keep the auto rule.
     cache_dtype: DType | None = None
+    # The mixed step (role decode; --mixed_tokens): a decode trace at batch 1 of
+    # `decode_tokens` rows, each of its own slot of the `slots` the cache holds (a `slot`
+    # input [rows]) at its own position (`position` [1, rows]): the decoding slots' tokens
+    # and an admitted prompt's chunk in one step (apps/scheduler.py).
+    mixed: bool = False
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -225,14 +233,21 @@ class KVCache(Pass):
                 raise _refuse("a decode step of several tokens beside a cached convolution (cached_conv1d "
                               "computes one token's window)")
             batch = self._batch(g, attn, convs, scans)
-            if self.slots > 1 and batch != self.slots:
+            if self.mixed and (batch != 1 or convs or scans or any(n.op == "mla_attention" for n in attn)):
+                raise _refuse("a mixed step runs one sequence of rows, over key/value caches only (not latent "
+                              "attention, a cached convolution or a recurrence)")
+            if self.slots > 1 and batch != self.slots and not self.mixed:
                 raise _refuse(f"the decode trace runs {batch} sequences, the cache holds {self.slots}")
-            slots = max(self.slots, 1)
+            slots = 1 if self.mixed else max(self.slots, 1)
             if seq > 1:  # each token's own position, [slots, C]: what the ops take
                 pos = g.add_input("position", TensorType((slots, seq), DType.i64))
             else:
                 pos = g.add_input("position", TensorType((slots,), DType.i64))
-            if self.slots > 1 and seq == 1:  # each slot's own position: [slots, 1] for the ops
+            if self.mixed:  # each row's slot
+                if any(v.name == SLOT for v in g.inputs):
+                    raise _refuse(f"the model already has an input named {SLOT!r}")
+                slot = g.add_input(SLOT, TensorType((seq,), DType.i64))
+            if self.slots > 1 and seq == 1 and not self.mixed:  # each slot's own position: [slots, 1] for the ops
                 pos = g.add_node("reshape", [pos], [TensorType((self.slots, 1), DType.i64)],
                                  {"shape": (self.slots, 1)}, names="position_per_slot", before=g.nodes[0]).outputs[0]
             if self.decode_positions:
@@ -385,6 +400,9 @@ class KVCache(Pass):
                 attrs = {"scale": n.attrs["scale"], "causal": False}
             else:
                 op, ins, attrs = "cached_attention", [q, *written, pos, *sinks], {"scale": n.attrs["scale"]}
+                if self.mixed:  # row i over its slot's cache
+                    ins.append(next(v for v in g.inputs if v.name == SLOT))
+                    attrs["slotted"] = 1
                 if window:
                     attrs["window"] = window
                 if n.attrs.get("softcap"):
@@ -402,9 +420,10 @@ class KVCache(Pass):
             return True
         if not self.decode_positions:
             return False
-        at = torch.full((max(self.slots, 1),), self.trace_position)
+        slots = 1 if self.mixed else max(self.slots, 1)
+        at = torch.full((slots,), self.trace_position)
         if self.decode_tokens > 1:
-            at = self.trace_position + torch.arange(self.decode_tokens).repeat(max(self.slots, 1), 1)
+            at = self.trace_position + torch.arange(self.decode_tokens).repeat(slots, 1)
         t = evaluate_value(g, mask, {"position": at}, max_bytes=1 << 20)
         return t is not None and bool(t.all() if t.dtype == torch.bool else (t == 0).all())
 
@@ -439,7 +458,8 @@ class KVCache(Pass):
                             f"which a {dt} cache cannot take (kv_write converts f32 and bf16 rows)",
                             "leave --kv_cache_dtype at auto for this model", exit_code=EXIT_UNSUPPORTED)
         st = g.add_state(name, TensorType((max(self.slots, b), h, self.cache_len, kv_cache_width(dt, d)), dt))
-        slot = [v for v in g.inputs if v.name == SLOT] if self.slots > 1 and self.role != "decode" else []
+        slot = [v for v in g.inputs if v.name == SLOT] if self.slots > 1 and (self.role != "decode" or self.mixed) \
+            else []
         w = g.add_node("kv_write", [st, x, pos, *slot], [st.type], names=f"{name}.write", before=before)
         g.set_state_update(st, w.outputs[0])
         return w.outputs[0]

@@ -392,6 +392,11 @@ static int run_kv_write(const rt_step *st, npuc_session *s) {
     (void)s;
     const int64_t *i = st->i;
     int64_t slot = -1;
+    if (i[9]) /* each row into its own slot (a mixed step) */
+        return npuc_kv_write_rows(st->in[0].data, (int)i[0], st->in[1].data, (int)i[1], st->in[2].data,
+                                  st->in[3].data, i[8], i[4], i[5], i[6], i[7])
+                   ? NPUC_E_INPUT
+                   : 0;
     if (st->n_in > 3) {
         slot = *(const int64_t *)st->in[3].data;
         if (slot < 0 || slot >= i[8]) return NPUC_E_INPUT;
@@ -425,8 +430,10 @@ static int bind_kv_write(rt_binder *b, rt_step *st) {
                                                              pos->shape[1] == S);
     if (!ok_pos || (pos->dtype != NPUC_I64 && pos->dtype != NPUC_I32))
         return does_not_fit(b, st, "the positions do not fit");
-    if (slot != NULL && (slot->rank != 1 || slot->shape[0] != 1 || (slot->dtype != NPUC_I64 && slot->dtype != NPUC_I32)))
-        return does_not_fit(b, st, "the slot is not i64[1]");
+    int rows = slot != NULL && slot->rank == 1 && slot->shape[0] == S && S > 1; /* slot [S]: each row's */
+    if (slot != NULL && (slot->rank != 1 || (slot->shape[0] != 1 && !rows) ||
+                         (slot->dtype != NPUC_I64 && slot->dtype != NPUC_I32)))
+        return does_not_fit(b, st, "the slot is not i64[1] or one per row");
     if (!out_like(st, 0, cache, cache->dtype) || !st->out_is_in0)
         return does_not_fit(b, st, "kv_write's result is its cache, in place");
     if (kind < 0 || !is_float(nw->dtype) || pos->dtype != NPUC_I64 || (slot != NULL && slot->dtype != NPUC_I64))
@@ -434,7 +441,7 @@ static int bind_kv_write(rt_binder *b, rt_step *st) {
                                 "positions");
     int64_t *i = st->i;
     i[0] = kind, i[1] = nw->dtype == NPUC_BF16, i[2] = pos->rank == 2 ? S : 0, i[3] = nw->shape[0];
-    i[4] = nw->shape[1], i[5] = cache->shape[2], i[6] = S, i[7] = nw->shape[3], i[8] = cache->shape[0];
+    i[4] = nw->shape[1], i[5] = cache->shape[2], i[6] = S, i[7] = nw->shape[3], i[8] = cache->shape[0], i[9] = rows;
     st->run = run_kv_write;
     return 0;
 }
@@ -446,6 +453,12 @@ static int bind_kv_write(rt_binder *b, rt_step *st) {
 static int run_cached_attention(const rt_step *st, npuc_session *s) {
     const int64_t *i = st->i;
     const int64_t *pos = st->p[0] != NULL ? st->p[0] : st->in[3].data;
+    if (i[12]) /* a mixed step's rows, each over its own slot's cache */
+        return npuc_cached_attention_rows(st->in[0].data, (int)i[0], st->in[1].data, st->in[2].data, (int)i[1], pos,
+                                          st->in[4].data, i[12], st->out[0].data, (int)i[3], i[6], i[5], i[7], i[8],
+                                          i[9], i[10], (float)st->f[0], s->scratch, s->threads)
+                   ? NPUC_E_INPUT
+                   : 0;
     if (i[11])
         return npuc_attention_gemm(st->in[0].data, st->in[1].data, st->in[2].data, pos, st->out[0].data, i[4], i[5],
                                    i[6], i[7], i[8], i[9], i[10], (float)st->f[0], s->scratch, s->threads)
@@ -477,7 +490,7 @@ static int attention_dims(rt_binder *b, rt_step *st, const rt_view *q, const rt_
     int64_t *i = st->i;
     int bf = q->dtype == NPUC_BF16;
     i[0] = bf, i[1] = kind, i[3] = bf, i[4] = q->shape[0], i[5] = q->shape[1], i[6] = q->shape[2], i[7] = d;
-    i[8] = k->shape[1], i[9] = k->shape[2], i[10] = dv, i[11] = 0;
+    i[8] = k->shape[1], i[9] = k->shape[2], i[10] = dv, i[11] = 0, i[12] = 0;
     st->f[0] = rt_attr_f(st->op, "scale", 1.0);
     return 0;
 }
@@ -488,8 +501,47 @@ static int plain_attention(const rt_op *op) {
            (al == NULL || al->kind != ATTR_FLOATS || al->n == 0);
 }
 
+/* cached_attention[slotted=1](q [1, hq, n, d], caches [slots, hkv, l, ..], position [n] or [1, n], slot [n]) */
+static int bind_cached_attention_rows(rt_binder *b, rt_step *st) {
+    const rt_view *q = &st->in[0], *kc = &st->in[1], *vc = &st->in[2], *pos = &st->in[3];
+    const rt_view *slot = &st->in[st->n_in - 1];
+    if (st->n_in != 5) return no_kernel(b, st, "cached_attention over rows of several slots, with sinks");
+    if (q->rank != 4 || q->shape[0] != 1 || kc->rank != 4 || kc->shape[0] < 1)
+        return does_not_fit(b, st, "q is not [1, hq, n, d] over caches of slots");
+    int64_t N = q->shape[2];
+    if (slot->rank != 1 || slot->shape[0] != N || slot->dtype != NPUC_I64)
+        return does_not_fit(b, st, "the slot is not i64 [n], one per row");
+    if (!((pos->rank == 1 && pos->shape[0] == N) || (pos->rank == 2 && pos->shape[0] == 1 && pos->shape[1] == N)) ||
+        pos->dtype != NPUC_I64)
+        return does_not_fit(b, st, "the positions are not i64 [n] or [1, n]");
+    int64_t *i = st->i;
+    int kind = kv_kind(kc->dtype);
+    int64_t d = q->shape[3], dv = vc->rank == 4 ? vc->shape[3] - (kind == NPUC_KV_I8 ? 4 : 0) : 0;
+    if (vc->rank != 4 || kc->shape[0] != vc->shape[0] || kc->shape[1] != vc->shape[1] || kc->shape[2] != vc->shape[2] ||
+        kc->shape[1] == 0 || q->shape[1] % kc->shape[1] || (kind >= 0 && kc->shape[3] != kv_last(kind, d)) || dv < 0)
+        return does_not_fit(b, st, "q, k and v do not fit");
+    if (kc->dtype != vc->dtype) return does_not_fit(b, st, "q, k and v differ in dtype");
+    rt_view want = *q;
+    want.shape[3] = dv;
+    if (!out_like(st, 0, &want, q->dtype)) return does_not_fit(b, st, "the output is not [1, hq, n, dv]");
+    if (kind < 0 || !is_float(q->dtype)) return no_kernel(b, st, "attention of this dtype");
+    if (!plain_attention(st->op)) return no_kernel(b, st, "cached_attention with a sliding window, soft-capping or ALiBi");
+    int bf = q->dtype == NPUC_BF16;
+    i[0] = bf, i[1] = kind, i[2] = 1, i[3] = bf, i[4] = N, i[5] = q->shape[1], i[6] = N, i[7] = d;
+    i[8] = kc->shape[1], i[9] = kc->shape[2], i[10] = dv, i[11] = 0, i[12] = kc->shape[0];
+    st->f[0] = rt_attr_f(st->op, "scale", 1.0);
+    want_scratch(b, npuc_cached_attention_scratch_floats(N, q->shape[1], 1, d, kc->shape[1], kc->shape[2], dv,
+                                                         b->threads));
+    st->run = run_cached_attention;
+    return 0;
+}
+
 static int bind_cached_attention(rt_binder *b, rt_step *st) {
     const rt_view *q = &st->in[0], *kc = &st->in[1], *vc = &st->in[2], *pos = &st->in[3];
+    int64_t slotted = rt_attr_i(st->op, "slotted", 0);
+    if (slotted != 0 && slotted != 1) return does_not_fit(b, st, "slotted is 0 or 1");
+    if (slotted) /* q [1, hq, n, d], row i over cache slot[i]: the last operand */
+        return bind_cached_attention_rows(b, st);
     int rc = attention_dims(b, st, q, kc, vc, 1);
     if (rc) return rc;
     int64_t S = q->shape[2];

@@ -1047,6 +1047,22 @@ static void kv_store_row(char *dst, int kind, const void *src, int sbf, i64 from
 /* cache[b, h, pos[i], :] = new[b, h, i, :], in place; rows f32 or bf16 (sbf), the cache in any
  * layout (kind). pos [S] for every sequence (pstride 0) or [B, S] (pstride S, each its own);
  * sequence b goes to cache slot b, or (slot >= 0, B = 1) to slot `slot`. D is new's last dim. */
+int npuc_kv_write_rows(void *cache, int kind, const void *src, int sbf, const int64_t *pos, const int64_t *slot,
+                       i64 slots, i64 H, i64 L, i64 S, i64 D) {
+    if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= L || slot[i] < 0 || slot[i] >= slots) return -1;
+    const i64 rb = kv_row_bytes(kind, D);
+    for (i64 h = 0; h < H; h++)
+        for (i64 i = 0; i < S; i++) {
+            i64 row = (slot[i] * H + h) * L + pos[i], from = (h * S + i) * D;
+            char *dst = (char *)cache + row * rb;
+            if (kind == sbf) memcpy(dst, (const char *)src + from * (sbf ? 2 : 4), (size_t)rb);
+            else kv_store_row(dst, kind, src, sbf, from, D);
+        }
+    return 0;
+}
+
 int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot,
                   i64 B, i64 H, i64 L, i64 S, i64 D) {
     if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
@@ -1128,6 +1144,8 @@ typedef struct {
     const void *q; int qbf; const char *kc, *vc; int kind; const int64_t *pos; i64 pstride; void *out; int obf;
     i64 HQ, S, D, HKV, L, DV, G, NR, QB, T, nblk, nsplit, chunk, krb, vrb; float scale;
     float *ws; i64 per; float *part;
+    i64 qsb, qsh;         /* q's and out's rows: sequence b, head h, query i at b * qsb + h * qsh + i */
+    const int64_t *slot;  /* NULL: sequence b reads cache b; else cache slot[b] (a mixed step's rows) */
 } dec_job;
 
 #ifdef NPUC_AVX2
@@ -1398,12 +1416,13 @@ static void dec_chunk(const void *p, i64 c, int tid) {
         i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
         n[rr] = j->pos[b * j->pstride + i] + 1;
         nmax = n[rr] > nmax ? n[rr] : nmax;
-        for (i64 k = 0; k < D; k++) qf[rr * D + k] = load_any(j->q, j->qbf, ((b * j->HQ + h) * j->S + i) * D + k);
+        for (i64 k = 0; k < D; k++) qf[rr * D + k] = load_any(j->q, j->qbf, (b * j->qsb + h * j->qsh + i) * D + k);
         m[rr] = -INFINITY, l[rr] = 0.0f;
     }
     memset(acc, 0, (size_t)(nr * DV) * sizeof(float));
     const i64 k0 = sp * j->chunk, k1 = k0 + j->chunk < nmax ? k0 + j->chunk : nmax;
-    const char *kb = j->kc + u * j->L * j->krb, *vb = j->vc + u * j->L * j->vrb;
+    const i64 cu = j->slot != NULL ? j->slot[b] * j->HKV + kvh : u; /* the cache rows this sequence reads */
+    const char *kb = j->kc + cu * j->L * j->krb, *vb = j->vc + cu * j->L * j->vrb;
     for (i64 t0 = k0; t0 < k1; t0 += j->T) {
         const i64 nt = k1 - t0 < j->T ? k1 - t0 : j->T;
         int fast = 0;
@@ -1479,7 +1498,7 @@ static void dec_chunk(const void *p, i64 c, int tid) {
         }
         i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
         float inv = 1.0f / l[rr];
-        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, ((b * j->HQ + h) * j->S + i) * DV + k, a[k] * inv);
+        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, (b * j->qsb + h * j->qsh + i) * DV + k, a[k] * inv);
     }
 }
 
@@ -1505,7 +1524,7 @@ static void dec_merge(const void *p, i64 ub, int tid) {
         }
         i64 r = r0 + rr, i = r / j->G, h = kvh * j->G + r % j->G;
         float inv = 1.0f / l;
-        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, ((b * j->HQ + h) * j->S + i) * DV + k, acc[k] * inv);
+        for (i64 k = 0; k < DV; k++) store_any(j->out, j->obf, (b * j->qsb + h * j->qsh + i) * DV + k, acc[k] * inv);
     }
 }
 
@@ -1536,9 +1555,30 @@ i64 npuc_cached_attention_scratch_floats(i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i
  * layout `kind` (int8: rows of D + 4 bytes), out [B, HQ, S, DV] f32 or bf16 (obf); scores and
  * softmax in f32. scratch: npuc_cached_attention_scratch_floats with the same nt. Non-zero,
  * before any row is read, for a position outside the cache or a layout it does not know. */
+static int cached_attention(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
+                            i64 pstride, const int64_t *slot, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV,
+                            i64 L, i64 DV, float scale, float *scratch, int nt);
+
 int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
                           i64 pstride, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV,
                           float scale, float *scratch, int nt) {
+    return cached_attention(q, qbf, kc, vc, kind, pos, pstride, NULL, out, obf, B, HQ, S, D, HKV, L, DV, scale, scratch,
+                            nt);
+}
+
+/* A mixed step's rows: q [1, HQ, N, D], row i over cache slot[i] (of `slots`) up to pos[i]; as N
+ * sequences of one query each, whose q and out rows are strided by N per head. */
+int npuc_cached_attention_rows(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
+                               const int64_t *slot, i64 slots, void *out, int obf, i64 N, i64 HQ, i64 D, i64 HKV,
+                               i64 L, i64 DV, float scale, float *scratch, int nt) {
+    for (i64 i = 0; i < N; i++)
+        if (slot[i] < 0 || slot[i] >= slots) return -1;
+    return cached_attention(q, qbf, kc, vc, kind, pos, 1, slot, out, obf, N, HQ, 1, D, HKV, L, DV, scale, scratch, nt);
+}
+
+static int cached_attention(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
+                            i64 pstride, const int64_t *slot, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV,
+                            i64 L, i64 DV, float scale, float *scratch, int nt) {
     if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || HKV < 1 || HQ % HKV) return -1;
     i64 n = 0;
     for (i64 i = 0; i < (pstride ? B * S : S); i++) {
@@ -1552,6 +1592,7 @@ int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc
     dec_job j = dec_plan(B, HQ, S, D, HKV, L, DV, n, use);
     j.q = q, j.qbf = qbf, j.kc = kc, j.vc = vc, j.kind = kind, j.pos = pos, j.pstride = pstride, j.out = out;
     j.obf = obf, j.krb = krb, j.vrb = vrb, j.scale = scale, j.ws = scratch, j.part = scratch + nt * j.per;
+    j.slot = slot, j.qsb = slot != NULL ? 1 : HQ * S, j.qsh = slot != NULL ? B : S;
     if (j.QB > 1) { /* a tile's K and V rows within ~256 KiB, so the block's later rows read them from L2 */
         i64 fit = (256 << 10) / (krb + vrb);
         j.T = fit < 16 ? 16 : fit < j.T ? fit : j.T;

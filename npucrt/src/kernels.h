@@ -44,10 +44,18 @@ int npuc_rope_f32(const float *x, const int64_t *pos, const float *cos_t, const 
 enum { NPUC_KV_F32 = 0, NPUC_KV_BF16 = 1, NPUC_KV_F16 = 2, NPUC_KV_I8 = 3 };
 int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot, i64 B,
                   i64 H, i64 L, i64 S, i64 D);
+/* Row i of new [1, H, S, D] into cache slot[i] (of `slots`) at pos[i]: a mixed step's rows. */
+int npuc_kv_write_rows(void *cache, int kind, const void *src, int sbf, const int64_t *pos, const int64_t *slot,
+                       i64 slots, i64 H, i64 L, i64 S, i64 D);
 i64 npuc_cached_attention_scratch_floats(i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, int nt);
 int npuc_cached_attention(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
                           i64 pstride, void *out, int obf, i64 B, i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV,
                           float scale, float *scratch, int nt);
+/* q [1, HQ, N, D]: row i attends cache slot[i] (of `slots`) up to pos[i]. Scratch as
+ * npuc_cached_attention's with B = N, S = 1. */
+int npuc_cached_attention_rows(const void *q, int qbf, const void *kc, const void *vc, int kind, const int64_t *pos,
+                               const int64_t *slot, i64 slots, void *out, int obf, i64 N, i64 HQ, i64 D, i64 HKV,
+                               i64 L, i64 DV, float scale, float *scratch, int nt);
 i64 npuc_attention_gemm_scratch_floats(i64 B, i64 HKV, i64 D, i64 L, i64 DV, int nt);
 int npuc_attention_gemm(const float *q, const float *k, const float *v, const int64_t *pos, float *out, i64 B,
                         i64 HQ, i64 S, i64 D, i64 HKV, i64 L, i64 DV, float scale, float *scratch, int nt);

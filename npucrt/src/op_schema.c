@@ -48,12 +48,13 @@ static const char *const in_bitwise_and[] = {"a", "b"};
 static const char *const in_bitwise_not[] = {"x"};
 static const char *const in_bitwise_or[] = {"a", "b"};
 static const char *const in_bitwise_xor[] = {"a", "b"};
-static const char *const in_cached_attention[] = {"q", "k_cache", "v_cache", "position", "sinks?"};
+static const char *const in_cached_attention[] = {"q", "k_cache", "v_cache", "position", "sinks?", "slot?"};
 static const rt_attr_spec at_cached_attention[] = {
     {"scale", RT_AK_FLOAT, 1, 0},
     {"window", RT_AK_INT, 0, 0},
     {"softcap", RT_AK_FLOAT, 0, 0},
     {"alibi", RT_AK_FLOATS, 0, 0},
+    {"slotted", RT_AK_INT, 0, 0},
 };
 static const char *const in_cached_conv1d[] = {"cache", "w", "position", "bias?"};
 static const rt_attr_spec at_cached_conv1d[] = {
@@ -401,7 +402,7 @@ static const rt_op_schema SCHEMAS[] = {
     {"bitwise_not", in_bitwise_not, 1, NULL, 0},
     {"bitwise_or", in_bitwise_or, 2, NULL, 0},
     {"bitwise_xor", in_bitwise_xor, 2, NULL, 0},
-    {"cached_attention", in_cached_attention, 5, at_cached_attention, 4},
+    {"cached_attention", in_cached_attention, 6, at_cached_attention, 5},
     {"cached_conv1d", in_cached_conv1d, 4, at_cached_conv1d, 2},
     {"cast", in_cast, 1, at_cast, 1},
     {"ceil", in_ceil, 1, NULL, 0},

@@ -87,11 +87,13 @@ typedef struct att_plan {
     i64 pstride;                    /* positions [S] (0) or [B, S] (S) */
     i64 QB, blocks, per_thread;
     const float *alibi;             /* HQ slopes, or NULL */
+    int slot_in;                    /* cached, slotted: the operand of each query's slot (-1: none) */
+    i64 slots;                      /* ... and the caches' slots */
 } att_plan;
 
 typedef struct att_job {
     const att_plan *P;
-    const void *q, *k, *v, *mask, *sinks, *pos;
+    const void *q, *k, *v, *mask, *sinks, *pos, *slot;
     void *out;
     float *scratch;
 } att_job;
@@ -127,7 +129,9 @@ static void att_chunk(const void *ctx, i64 c, int tid) {
         jlo = imin(jlo, lo[rr]), jhi = imax(jhi, hi[rr]);
         og_load_f32(J->q, P->dt, ((b * P->HQ + h) * P->S + i) * D, 1, D, qf + rr * D);
     }
-    const i64 kbase = (b * P->HKV + hk) * L;
+    /* slotted: a block is one query's G heads (QB = G), over that query's slot of the caches */
+    const i64 kb = P->slot_in >= 0 ? load_index(J->slot, NPUC_I64, r0 / P->G) : b;
+    const i64 kbase = (kb * P->HKV + hk) * L;
     for (i64 j = jlo; j < jhi; j++) {
         att_row(J->k, P->kdt, kbase + j, D, kr);
         for (i64 rr = 0; rr < nr; rr++) {
@@ -186,9 +190,14 @@ static int att_run(const rt_step *st, struct npuc_session *s) {
             if (p < 0 || p >= P->L) return NPUC_E_INPUT;
         }
     }
+    for (i64 k = 0; P->slot_in >= 0 && k < P->S; k++) { /* and every slot one of the caches' */
+        i64 v = load_index(st->in[P->slot_in].data, NPUC_I64, k);
+        if (v < 0 || v >= P->slots) return NPUC_E_INPUT;
+    }
     att_job J = {P, st->in[0].data, st->in[1].data, st->in[2].data,
                  P->mask_in >= 0 ? st->in[P->mask_in].data : NULL, P->sinks_in >= 0 ? st->in[P->sinks_in].data : NULL,
-                 P->cached ? st->in[3].data : NULL, st->out[0].data, rt_session_scratch(s)};
+                 P->cached ? st->in[3].data : NULL, P->slot_in >= 0 ? st->in[P->slot_in].data : NULL, st->out[0].data,
+                 rt_session_scratch(s)};
     npuc_parallel(att_chunk, &J, P->B * P->HKV * P->blocks, rt_session_threads(s));
     return 0;
 }
@@ -225,11 +234,15 @@ static int att_mask(rt_binder *b, rt_step *st, const rt_view *m, int32_t r, cons
 /* The checks and plan every attention shares; kind 0 fused_attention, 1 cached_attention, 2 sdpa. */
 static int att_bind(rt_binder *b, rt_step *st, int kind) {
     const rt_view *q = &st->in[0], *k = &st->in[1], *v = &st->in[2];
-    int rc, min_in = kind == 1 ? 4 : 3, max_in = kind == 2 ? 4 : 5;
+    int64_t slotted = 0;
+    int rc;
+    if (kind == 1 && (rc = og_attr_int(b, st, "slotted", 1, 0, &slotted))) return rc;
+    if (slotted != 0 && slotted != 1) return og_invalid(b, st, "slotted is 0 or 1");
+    int min_in = kind == 1 ? 4 + (int)slotted : 3, max_in = kind == 2 ? 4 : 5 + (int)slotted;
     if ((rc = og_check_arity(b, st, min_in, max_in, 1))) return rc;
     att_plan P;
     memset(&P, 0, sizeof P);
-    P.mask_in = P.sinks_in = -1;
+    P.mask_in = P.sinks_in = P.slot_in = -1;
     int32_t r = q->rank;
     if (r < 2 || k->rank != r || v->rank != r || (kind != 2 && r != 4))
         return og_invalid(b, st, "q, k and v are not [batch, heads, seq, dim]");
@@ -248,7 +261,13 @@ static int att_bind(rt_binder *b, rt_step *st, int kind) {
     P.S = q->shape[r - 2], P.D = q->shape[r - 1], P.L = k->shape[r - 2], P.DV = v->shape[r - 1] - pack;
     P.HQ = r >= 3 ? q->shape[r - 3] : 1, P.HKV = r >= 3 ? k->shape[r - 3] : 1;
     P.B = 1;
-    for (int32_t d = 0; d + 3 < r; d++) {
+    if (slotted) { /* q [1, hq, s, d]: query i over cache slot[i] (the last operand) */
+        const rt_view *sl = &st->in[st->n_in - 1];
+        if (q->shape[0] != 1 || sl->rank != 1 || sl->shape[0] != P.S || sl->dtype != NPUC_I64)
+            return og_invalid(b, st, "q is not [1, hq, s, d] with a slot i64 [s]");
+        P.slot_in = st->n_in - 1, P.slots = k->shape[0];
+    }
+    for (int32_t d = 0; d + 3 < r && !slotted; d++) {
         if (q->shape[d] != k->shape[d])
             return kind == 2 ? og_no_kernel(b, st, "batch dims that broadcast") : og_invalid(b, st, "q, k differ in b");
         P.B *= q->shape[d];
@@ -295,7 +314,7 @@ static int att_bind(rt_binder *b, rt_step *st, int kind) {
         if ((rc = att_mask(b, st, &st->in[3], r, tgt, &P))) return rc;
         P.mask_in = 3;
     }
-    if (st->n_in > 4) {
+    if (st->n_in > 4 + (int)slotted) {
         const rt_view *sk = &st->in[4];
         if (sk->rank != 1 || sk->shape[0] != P.HQ || !og_is_float(sk->dtype))
             return og_invalid(b, st, "the sinks are not a float [hq]");
@@ -307,7 +326,8 @@ static int att_bind(rt_binder *b, rt_step *st, int kind) {
     if (rows < 0 || mul_ok(P.B, P.HQ) < 0 || mul_ok(mul_ok(P.B, P.HQ), mul_ok(P.S, imax(P.D, P.DV))) < 0 ||
         mul_ok(mul_ok(P.B, P.HKV), mul_ok(P.L, imax(P.D, P.DV))) < 0)
         return og_no_kernel(b, st, "an attention this large");
-    P.QB = rows <= 2 * AT_QB ? imax(rows, 1) : AT_QB;
+    if (slotted && P.G > 2 * AT_QB) return og_no_kernel(b, st, "over %d query heads a key head, slotted", 2 * AT_QB);
+    P.QB = slotted ? imax(P.G, 1) : rows <= 2 * AT_QB ? imax(rows, 1) : AT_QB;
     P.blocks = (imax(rows, 1) + P.QB - 1) / P.QB;
     i64 per = mul_ok(P.QB, P.L + P.D + P.DV);
     if (per < 0 || per > AT_MAX / 4) return og_no_kernel(b, st, "an attention this large");
