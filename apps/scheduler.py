@@ -160,7 +160,7 @@ class Scheduler:
         self._mids = np.zeros((1, self._mrows), dtype=np.int64)
         self._mpos = np.zeros((1, self._mrows), dtype=np.int64)
         self._mslot = np.zeros((self._mrows,), dtype=np.int64)
-        self._streaming = False
+        self._mix_admitted = False
         # Prefix reuse (apps/prefix_cache.py): where the model has a prefix pool
         entries = int(getattr(s, "prefix_entries", 0) or 0)
         self.prefixes = PrefixBook(entries) if entries and not self.info.recurrent else None
@@ -267,9 +267,14 @@ class Scheduler:
 
     def step(self) -> list[Event]:
         events: list[Event] = []
-        # slots that streamed tokens before this step: what a mixed step keeps steady
-        self._streaming = any(r is not None and r.tokens for r in self._running)
         free = [k for k in range(self.slots) if self._running[k] is None]
+        # Prompts go through mixed steps where slots streamed tokens before this step (what a
+        # mixed step keeps steady) and this step admits one request: several admitted at once
+        # (a burst) are prefilled, since feeding them one after another, C tokens a step, would
+        # run many steps of few rows (a burst's throughput), while a prefill delays the streaming
+        # slots once.
+        self._mix_admitted = (any(r is not None and r.tokens for r in self._running)
+                           and not (len(self._queue) > 1 and len(free) > 1))
         while self._queue and len(free) > len(self._queue[0].siblings):  # in order: a group waits for its slots
             lead = self._queue.popleft()
             taken, free = free[:1 + len(lead.siblings)], free[1 + len(lead.siblings):]
@@ -445,7 +450,7 @@ class Scheduler:
                 if q.spec is not None:
                     self._draft.admit(kq, q.prompt)
         scored = r.prompt_logprobs and (info.last_token or self._decode_rows != self.tokens)
-        chunked = (self.tokens > 1 and self.active) or (self._mixed_on and self._streaming)
+        chunked = (self.tokens > 1 and self.active) or (self._mixed_on and self._mix_admitted)
         if (chunked and not scored and not r.siblings) or (r.prompt_logprobs and info.last_token):
             # Slots are decoding: the prompt goes through the mixed steps (or the decode steps, C
             # tokens a step), rather than a prefill the decoding slots would wait for. (Mixed

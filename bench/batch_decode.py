@@ -4,8 +4,8 @@ prompts, padded on the left, in the same run.
 
     python bench/batch_decode.py [--quick] [--work DIR] [--merge docs/benchmarks.json]
 
-(then the serving load test, bench/serve_load.py, on the batch-4 model, with and without
---decode_tokens 4).
+(then the serving load test, bench/serve_load.py, on the batch-4 model as it is, with
+--decode_tokens 4 and with --mixed_tokens 4).
 
 npuc: one `.om` per batch (`--input_shape input_ids:B,<prompt> --max_seq_len ...`); B
 prompts are admitted (a prefill each), then every step decodes one token of each slot. A
@@ -118,11 +118,13 @@ def run(ckpt: Path, s: Sizes, work: Path, rounds: int, batches: tuple[int, ...] 
 
 
 DECODE_TOKENS = 4  # the chunked-prefill configuration the load test also serves
+MIXED_TOKENS = 4  # the mixed prefill/decode step's prompt rows, served too
 
 
 def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, Any]]:
     """bench/serve_load.py on the batch-4 model (batch 2 with --quick) that run() compiled,
-    and on the same with --decode_tokens DECODE_TOKENS."""
+    on the same with --decode_tokens DECODE_TOKENS and on the same with --mixed_tokens
+    MIXED_TOKENS, each in turn in the same run."""
     import serve_load
 
     from npuc.compiler.driver import compile_model
@@ -132,8 +134,12 @@ def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, A
     if not chunked.exists():
         compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len, soc_version="cpu",
                       decode_tokens=DECODE_TOKENS, output=str(chunked)[:-3])
+    mixed = work / f"batch_{s.hidden}x{s.layers}_b{b}_m{MIXED_TOKENS}.om"
+    if not mixed.exists():
+        compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len, soc_version="cpu",
+                      mixed_tokens=MIXED_TOKENS, output=str(mixed)[:-3])
     return [serve_load.run(om, s.vocab, s.prompt, s.new, requests=8 if quick else 40, limit=120 if quick else 900)
-            for om in (work / f"batch_{s.hidden}x{s.layers}_b{b}.om", chunked)]
+            for om in (work / f"batch_{s.hidden}x{s.layers}_b{b}.om", chunked, mixed)]
 
 
 def render(batch: dict[str, Any]) -> list[str]:
@@ -163,23 +169,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--merge", default=None, metavar="JSON", help="add the figures to a bench/run.py JSON and "
                     "render its report again")
+    ap.add_argument("--load-only", action="store_true", help="only the serving load test (the batch-B model "
+                    "compiled if it is not in --work)")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
     work = Path(args.work or tempfile.mkdtemp(prefix="npuc-bench-batch-"))
     work.mkdir(parents=True, exist_ok=True)
     ckpt = llama_checkpoint(s, work / f"llama_{s.hidden}x{s.layers}")
-    batch = run(ckpt, s, work, args.rounds or (1 if args.quick else 3), (1, 2) if args.quick else BATCHES)
+    if args.load_only:
+        from npuc.compiler.driver import compile_model
+
+        b = 2 if args.quick else 4
+        om = work / f"batch_{s.hidden}x{s.layers}_b{b}.om"
+        if not om.exists():
+            compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len,
+                          soc_version="cpu", output=str(om)[:-3])
+        batch = None
+    else:
+        batch = run(ckpt, s, work, args.rounds or (1 if args.quick else 3), (1, 2) if args.quick else BATCHES)
     load = load_test(work, ckpt, s, args.quick)
     print(json.dumps({"batch": batch, "serve_load": load}, indent=2))
     import serve_load
 
-    print("\n".join(render(batch) + serve_load.render(load)), file=sys.stderr)
+    print("\n".join((render(batch) if batch else []) + serve_load.render(load)), file=sys.stderr)
     if args.merge:
         import run as bench_run
 
         path = Path(args.merge)
         res = json.loads(path.read_text())
-        res["batch"], res["serve_load"] = batch, load
+        if batch is not None:
+            res["batch"] = batch
+        res["serve_load"] = load
         path.write_text(json.dumps(res, indent=2, sort_keys=True))
         bench_run.main(["--render", str(path)])
 

@@ -125,8 +125,9 @@ def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: f
                          if line.startswith("npuc_slots ")))
         from npuc.tools.om_tools import model_info
 
-        decode = next(p for p in model_info(str(om))["programs"] if p["name"] == "decode")
-        tokens = int(decode["inputs"][0]["shape"][1])
+        programs = {p["name"]: p for p in model_info(str(om))["programs"]}
+        tokens = int(programs["decode"]["inputs"][0]["shape"][1])
+        mixed = int(programs["mixed"]["inputs"][0]["shape"][1]) - slots if "mixed" in programs else 0
         rng = random.Random(0)
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
         client = Client(port)
@@ -139,7 +140,15 @@ def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: f
         proc.terminate()
         proc.wait(timeout=120)
     return {"slots": slots, "prompt": prompt_len, "new": new, "capacity_req_per_s": per_s,
-            "steady": steady, "saturation": saturated, "exit_code": proc.returncode, "decode_tokens": tokens}
+            "steady": steady, "saturation": saturated, "exit_code": proc.returncode, "decode_tokens": tokens,
+            "mixed_tokens": mixed}
+
+
+def _flag(load: dict[str, Any]) -> str:
+    """The compile flag that set the model's steps apart."""
+    if load.get("mixed_tokens"):
+        return f"--mixed_tokens {load['mixed_tokens']}"
+    return f"--decode_tokens {load.get('decode_tokens', 1)}"
 
 
 def render(loads: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
@@ -150,31 +159,38 @@ def render(loads: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
              f"bench/serve_load.py: `npuc serve` ({first['slots']} slots) on loopback, every request streamed, "
              f"{first['prompt']} prompt tokens and {first['new']} new ones each. Capacity: completions per second "
              "with every slot busy. Steady: requests evenly spaced at half the capacity; saturation: all at once. "
-             "With `--decode_tokens C` > 1 a decode step runs C tokens of each slot, and a request admitted while "
-             "others decode feeds its prompt through those steps instead of a prefill (apps/scheduler.py).", "",
-             "| --decode_tokens | load | requests/s | completed | tokens/s | TTFT P50 (ms) | TTFT P99 (ms) "
+             "The models are timed one after the other in the same run. With `--decode_tokens C` > 1 a decode "
+             "step runs C tokens of each slot, and a request admitted while others decode feeds its prompt "
+             "through those steps instead of a prefill. With `--mixed_tokens C` a request admitted while "
+             "others stream feeds its prompt C tokens at a time through the mixed step, one row per decoding "
+             "slot plus C prompt rows (apps/scheduler.py, docs/serving.md).", "",
+             "| model | load | requests/s | completed | tokens/s | TTFT P50 (ms) | TTFT P99 (ms) "
              "| ITL P50 (ms) | ITL P99 (ms) | ITL P99/P50 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for load in loads:
         for name in ("steady", "saturation"):
             d = load[name]
             rate = f"{1 / d['interval_s']:.2f}" if d["interval_s"] else "all at once"
-            lines.append(f"| {load.get('decode_tokens', 1)} | {name} | {rate} | {d['completed']}/{d['requests']} | "
+            lines.append(f"| `{_flag(load)}` | {name} | {rate} | {d['completed']}/{d['requests']} | "
                          f"{d['tok_per_s']:.1f} | {d['ttft_p50_ms']:.0f} | {d['ttft_p99_ms']:.0f} | "
                          f"{d['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} | {d['itl_p99_over_p50']:.2f} |")
     lines.append("")
+    base = next((load["capacity_req_per_s"] for load in loads
+                 if not load.get("mixed_tokens") and load.get("decode_tokens", 1) == 1), None)
     for load in loads:
         ratio = load["steady"]["itl_p99_over_p50"]
-        lines.append(f"- `--decode_tokens {load.get('decode_tokens', 1)}`: capacity "
-                     f"{load['capacity_req_per_s']:.2f} requests/s; ITL P99 at most 1.3x its P50 at the steady "
-                     f"load: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'missed'}); exit code after SIGTERM: "
-                     f"{load['exit_code']}.")
+        cap = load["capacity_req_per_s"]
+        versus = f" ({cap / base:.2f}x `--decode_tokens 1`'s)" if base and _flag(load) != "--decode_tokens 1" else ""
+        lines.append(f"- `{_flag(load)}`: capacity {cap:.2f} requests/s{versus}; ITL P99 at most 1.3x its P50 at "
+                     f"the steady load: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'missed'}); exit code after "
+                     f"SIGTERM: {load['exit_code']}.")
     if any(load["steady"]["itl_p99_over_p50"] > 1.3 for load in loads):
-        lines += ["", "Where it is missed: a newly admitted request's prefill runs between two decode steps, so "
-                      "the requests already decoding wait for it; at the steady load that gap is the P99. A "
-                      "decode step is bound by reading the weights, and so is a prefill of a few tokens, so "
-                      "chunks run as steps of their own would not bound it either. `--decode_tokens C` puts the "
-                      "prompt's rows into the decode step's products instead: every step costs the same, at the "
-                      "price of C rows per slot in every step (docs/serving.md)."]
+        lines += ["", "Where it is missed: without a mixed step, a newly admitted request's prefill runs between "
+                      "two decode steps, so the requests already decoding wait for it; at the steady load that "
+                      "gap is the P99. A decode step is bound by reading the weights, and so is a prefill of a "
+                      "few tokens, so chunks run as steps of their own would not bound it either. "
+                      "`--decode_tokens C` puts the prompt's rows into the decode step's products instead, at "
+                      "the price of C rows per slot in every step; `--mixed_tokens C` adds only C rows, and "
+                      "only to the steps that feed a prompt (docs/serving.md)."]
     return lines
 
 

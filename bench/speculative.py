@@ -2,6 +2,10 @@
 the same prompts decoded with `--speculative off` and `ngram`, timed in turn, one process.
 
     python bench/speculative.py MODEL.om [--rounds 5] [--new 128] [--threads 2] [--cases copy,rejected]
+    python bench/speculative.py STDLIB.om --draft SMALL.om --cases text,copy
+
+With --draft, the speculative runs draft with a small model's `.om` (method "draft",
+apps/draft_model.py) instead of n-grams.
 
 Prompts (token ids, so any vocabulary serves):
 - copy: a 64-token block, then the block again cut short: where the model continues the
@@ -11,7 +15,13 @@ Prompts (token ids, so any vocabulary serves):
 - rejected: the copy prompt sampled at temperature 1 with 1-gram drafts (a draft wherever the
   last token occurred before): drafts that are checked are mostly rejected, and speculation must
   switch itself off (where a draft is checked, the samples may differ from the plain run's; their
-  distribution does not).
+  distribution does not);
+- found-rejected: the plain prompt sampled at temperature 1 among the 16 likeliest tokens, with
+  1-gram drafts: after a few dozen tokens nearly every last token occurred before, so a draft
+  is found at every step, and about 1 in 16 is right: speculation must switch itself off;
+- text: 128 bytes of held-out Python source (tests/data/stdlib_llama/heldout.bin), for the
+  byte-level model trained on the standard library (bench/train_stdlib_llama.py), whose
+  tokens are not random: a draft model's acceptance there is a real one.
 Prints one JSON line per prompt: tokens/s of each, the ratio (median over rounds), and the
 speculative run's acceptance rate and tokens per step. The greedy tokens of both are
 compared (they must be equal).
@@ -33,6 +43,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="copy,plain,sampled,rejected", help="which prompts, comma-separated")
+    ap.add_argument("--draft", default=None, metavar="SMALL.om", help="draft with this model instead of n-grams")
     args = ap.parse_args()
     os.environ.setdefault("NPUC_NUM_THREADS", str(args.threads))
     from npuc.apps.sampling import GREEDY, SamplingParams
@@ -41,6 +52,8 @@ def main() -> None:
     from npuc.runtime.executor import open_session
 
     s = open_session(args.om)
+    draft = open_session(args.draft) if args.draft else None
+    method = "draft" if draft is not None else "ngram"
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -48,31 +61,42 @@ def main() -> None:
     block = [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 64, replace=False)]
     prompts = {"copy": block + block[:24], "plain": [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 128,
                                                                                replace=False)]}
+    if "text" in args.cases.split(","):
+        from pathlib import Path
+
+        held = (Path(__file__).resolve().parent.parent / "tests/data/stdlib_llama/heldout.bin").read_bytes()
+        prompts["text"] = list(held[:128])
     hot = SamplingParams(temperature=1.0, seed=1)
     cases = [("copy", prompts["copy"], GREEDY, {}), ("plain", prompts["plain"], GREEDY, {}),
              ("sampled", prompts["plain"], hot, {}),
              # 1-gram drafts, sampled away where checked: auto-off's case
-             ("rejected", prompts["copy"], hot, {"ngram_min": 1})]
+             ("rejected", prompts["copy"], hot, {"ngram_min": 1}),
+             ("found-rejected", prompts["plain"], SamplingParams(temperature=1.0, top_k=16, seed=1), {"ngram_min": 1}), ("text", prompts.get("text"), GREEDY, {}),
+             ("text-sampled", prompts.get("text"), hot, {})]
     wanted = args.cases.split(",")
     for name, prompt, sampling, extra in [c for c in cases if c[0] in wanted]:
-        times: dict[str, list[float]] = {"off": [], "ngram": []}
+        if method == "draft":
+            extra = {k: v for k, v in extra.items() if not k.startswith("ngram")}
+        times: dict[str, list[float]] = {"off": [], method: []}
         outs: dict[str, list[int]] = {}
         stats = SpeculationStats()
         for rnd in range(args.rounds):
-            for method in ("off", "ngram") if rnd % 2 == 0 else ("ngram", "off"):  # either first in turn
+            for m in ("off", method) if rnd % 2 == 0 else (method, "off"):  # either first in turn
                 st = SpeculationStats()
                 t = time.perf_counter()
                 out = generate_many(s, [prompt], args.new, True, sampling,
-                                    speculative=SpeculativeConfig(method=method, **extra), stats=st)[0]
-                times[method].append(time.perf_counter() - t)
-                outs[method] = out
-                if method == "ngram":
+                                    speculative=SpeculativeConfig(method=m, **extra), stats=st,
+                                    draft=draft if m == "draft" else None)[0]
+                times[m].append(time.perf_counter() - t)
+                outs[m] = out
+                if m == method:
                     stats = st
         tps = {m: args.new / statistics.median(v) for m, v in times.items()}
-        ratios = [a / b for a, b in zip(times["off"], times["ngram"], strict=True)]
-        print(json.dumps({"prompt": name, "tokens_per_s_plain": round(tps["off"], 1),
-                          "tokens_per_s_ngram": round(tps["ngram"], 1), "ratio": round(statistics.median(ratios), 3),
-                          "same_tokens": outs["off"] == outs["ngram"], **stats.as_dict()}), flush=True)
+        ratios = [a / b for a, b in zip(times["off"], times[method], strict=True)]
+        print(json.dumps({"prompt": name, "method": method, "tokens_per_s_plain": round(tps["off"], 1),
+                          f"tokens_per_s_{method}": round(tps[method], 1),
+                          "ratio": round(statistics.median(ratios), 3),
+                          "same_tokens": outs["off"] == outs[method], **stats.as_dict()}), flush=True)
 
 
 if __name__ == "__main__":

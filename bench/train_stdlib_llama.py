@@ -87,6 +87,9 @@ def main() -> None:
     ap.add_argument("--eval_every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--shape", default=None, metavar="HIDDEN,LAYERS,INTER,HEADS,KV_HEADS",
+                    help="another model size on the same data, e.g. 128,1,256,4,2 for a draft model "
+                         "(bench/speculative.py --draft); default: the shipped model's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
@@ -105,7 +108,11 @@ def main() -> None:
           f"held-out sample {len(held_sample):,} bytes", flush=True)
 
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    config = dict(CONFIG)
+    if args.shape:
+        keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+        config.update(zip(keys, (int(v) for v in args.shape.split(",")), strict=True))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters; uniform loss ln 256 = {math.log(256):.3f}", flush=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # not the norms' gains
@@ -145,8 +152,8 @@ def main() -> None:
     # What tests/test_trained_model.py recomputes, from the saved files, with the same helper.
     check_windows = tm.windows_of(held_windows.reshape(-1), tm.CHECK_SEQ, tm.CHECK_WINDOWS)
     meta = {
-        "config": CONFIG, "parameters": n_params,
-        "training": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config, "parameters": n_params,
+        "training": {k: v for k, v in vars(args).items() if k not in ("out", "shape")},
         "tokens_seen": args.steps * args.batch * args.seq, "train_seconds": round(train_seconds, 1),
         **{k: round(v, 4) for k, v in final.items()},
         "heldout_sample_windows": f"{len(held_windows)} x {args.seq}",

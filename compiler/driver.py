@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import difflib
 import functools
 import inspect
-import json
 import logging
 import os
 import sys
@@ -41,8 +39,8 @@ from npuc.compiler.flag_checks import (
     check_prefix_cache,
     check_speculative_tokens,
 )
-from npuc.compiler.gguf_import import eos_token_ids, is_gguf, tokenizer_files
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
+from npuc.compiler.model_files import generation_meta, is_onnx, tokenizer_section
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
 from npuc.compiler.rope_scaling import at_cache_length, traceable
@@ -162,7 +160,7 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
     """Frontend only: the imported (unoptimised) graph, and what it was read from.
     `fixed_kwargs` are passed to a torch model's forward as constants (not inputs);
     `trust_pickle` loads a `.pt2` that needs pickle (running its code, compiler/pt2_safety.py)."""
-    if _is_onnx(model):
+    if is_onnx(model):
         from npuc.compiler.onnx_frontend import import_onnx, load_onnx
 
         if not os.path.isfile(model):
@@ -176,10 +174,6 @@ def build_graph(model: Any, input_shape: Any = None, input_dtypes: Mapping[str, 
     loaded.fixed_kwargs.update(fixed_kwargs or {})
     graph = _import(loaded, _export(loaded, _shapes(loaded, input_shape), fixed_kwargs))
     return graph, Source(loaded.kind, loaded.files)
-
-
-def _is_onnx(model: Any) -> bool:
-    return isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx")
 
 
 def _load(model: Any, input_dtypes: Mapping[str, Any] | None, trust_pickle: bool = False) -> LoadedModel:
@@ -376,11 +370,11 @@ def build_programs(model: Any, input_shape: Any, input_dtypes: Mapping[str, Any]
     `one_sequence`: decode is traced at batch 1 whatever the slots (the mixed step's rows,
     each of its own slot: LongTrace.mixed)."""
     _check_room(decode_tokens, max_seq_len - DECODE_TRACE_POSITION)
-    if _is_onnx(model) and one_sequence:
+    if is_onnx(model) and one_sequence:
         raise NpucError("NPUC-E0124", "--mixed_tokens with an ONNX model is not supported yet",
                         "compile the model's PyTorch or Hugging Face form, or leave --mixed_tokens out",
                         exit_code=EXIT_USAGE)
-    if _is_onnx(model):
+    if is_onnx(model):
         return _onnx_programs(model, input_shape, max_seq_len, decode_tokens)
     loaded = _load(model, input_dtypes, trust_pickle)
     shapes = _shapes(loaded, input_shape)
@@ -573,68 +567,6 @@ def _at_length(ep: torch.export.ExportedProgram, ids: str, n: int, start: int, k
         constants=constants, verifiers=ep.verifiers)
 
 
-def _generation_meta(model: Any, max_seq_len: int) -> tuple[dict[str, str], list[str]]:
-    """Generation metadata (the end-of-sequence ids, from the checkpoint's generation
-    config or config), and the files read for it."""
-    meta = {"programs": "prefill,decode", "max_seq_len": str(max_seq_len)}
-    read: list[str] = []
-    if is_gguf(model):  # the metadata's tokenizer.ggml.eos_token_id
-        ids = eos_token_ids(model)
-        if ids:
-            meta["eos_token_id"] = ",".join(str(i) for i in ids)
-        return meta, [os.fspath(model)]
-    folder = _checkpoint_folder(model)
-    if folder is not None:
-        for fname in ("generation_config.json", "config.json"):
-            path = os.path.join(folder, fname)
-            try:
-                with open(path) as f:
-                    eos = json.load(f).get("eos_token_id")
-            except (OSError, ValueError):
-                continue
-            read.append(path)
-            if eos is not None:
-                ids = eos if isinstance(eos, list) else [eos]
-                meta["eos_token_id"] = ",".join(str(int(i)) for i in ids)
-                break
-    return meta, read
-
-
-def _checkpoint_folder(model: Any) -> str | None:
-    """Where a model's generation config and tokenizer are: a Hugging Face folder, or the
-    folder an ONNX file is in (optimum and onnxruntime-genai's builder write them beside it)."""
-    if not isinstance(model, (str, os.PathLike)):
-        return None
-    if os.path.isdir(model):
-        return os.fspath(model)
-    return os.path.dirname(os.path.abspath(model)) if _is_onnx(model) else None
-
-
-# What transformers' tokenizers are saved as; stored in the .om so `npuc generate --prompt` works.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def _tokenizer_section(model: Any) -> tuple[dict[str, bytes], list[str]]:
-    """The `tokenizer` section (the folder's tokenizer files), and the files read."""
-    if is_gguf(model):  # built by transformers from the file's metadata
-        made = {n: base64.b64encode(b).decode("ascii") for n, b in tokenizer_files(model).items()}
-        return ({"tokenizer": json.dumps(made, sort_keys=True).encode()} if made else {}), [os.fspath(model)]
-    folder = _checkpoint_folder(model)
-    if folder is None:
-        return {}, []
-    files, read = {}, []
-    for fname in TOKENIZER_FILES:
-        path = os.path.join(folder, fname)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                files[fname] = base64.b64encode(f.read()).decode("ascii")
-            read.append(path)
-    if "tokenizer.json" not in files and "tokenizer.model" not in files and "vocab.json" not in files:
-        return {}, read
-    return {"tokenizer": json.dumps(files, sort_keys=True).encode()}, read
-
-
 def read_keep_dtype(keep: str | os.PathLike[str] | Sequence[str] | None, flag: str = "--keep_dtype"
                     ) -> frozenset[str]:
     """Node names from a --keep_dtype (or other `flag`) file (one a line, # comments) or a list."""
@@ -799,9 +731,9 @@ def compile_model(
         if mixed_tokens:
             select_outputs(mixed_graph, out_nodes)
             mixed_graph.name, mixed_passes = MIXED, more.pop(0)
-        gen_meta, read = _generation_meta(model, max_seq_len)
+        gen_meta, read = generation_meta(model, max_seq_len)
         meta.update(gen_meta)
-        extra, tok_files = _tokenizer_section(model)
+        extra, tok_files = tokenizer_section(model)
         extra_deps = [*extra_deps, *read, *tok_files]
     tails: list[list[Pass]] = []
     if world > 1 or plan is not None:  # the passes after fusion run once per rank, after the split

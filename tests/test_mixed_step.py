@@ -77,6 +77,40 @@ def test_requests_admitted_beside_decoding_slots_get_their_tokens(models: dict[s
     assert mixed_steps >= 4 and none == 0  # the admissions after the first went through mixed steps
 
 
+def test_requests_admitted_together_are_prefilled(models: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """A burst (several requests admitted in one step) is prefilled even while a slot streams;
+    a request admitted alone while a slot streams goes through the mixed steps. Three slots:
+    one streams, two are free."""
+    om = compile_model(str(models["llama"][0].parent / "llama"), input_shape=f"input_ids:3,{PREFILL}",
+                       max_seq_len=MAX_SEQ, mixed_tokens=C, output=str(tmp_path / "m3"))
+    for burst, want_prefills in ((True, 2), (False, 1)):
+        s = Session.load(om)
+        programs: list[str] = []
+        run = s.run
+
+        def counted(feeds: Any, program: str, run: Any = run, programs: list[str] = programs, **kw: Any) -> Any:
+            programs.append(program)
+            return run(feeds, program, **kw)
+
+        s.run = counted
+        sched = Scheduler(s)
+        first = sched.submit(PROMPTS[0], 12, ignore_eos=True)
+        sched.step()
+        sched.step()  # the first request streams
+        del programs[:]
+        later = [sched.submit(p, 4, ignore_eos=True) for p in (PROMPTS[3], PROMPTS[1])[: 1 + burst]]
+        sched.step()
+        assert programs == (["prefill"] * want_prefills + ["decode"] if burst else ["mixed"]), (burst, programs)
+        while not sched.idle:
+            sched.step()
+        plain = Scheduler(Session.load(str(models["llama"][1])))
+        ids = [plain.submit(sched.requests[r].prompt, len(sched.requests[r].tokens), ignore_eos=True)
+               for r in (first, *later)]
+        while not plain.idle:
+            plain.step()
+        assert [sched.requests[r].tokens for r in (first, *later)] == [plain.requests[i].tokens for i in ids]
+
+
 def test_the_mixed_program_takes_a_slot_per_row(models: dict[str, tuple[Path, Path]]) -> None:
     """Its inputs, and the rows the pass rewrites: each attention over its row's slot."""
     s = Session.load(str(models["llama"][0]))

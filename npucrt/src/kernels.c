@@ -236,17 +236,23 @@ static float dot1_f32(const float *x, const float *w, i64 K) {
  * weight row), 8 k at a time, so every sum runs in the same order whatever R is. A sequence
  * decoded beside others gets the logits it gets alone, bit for bit; two x rows share each
  * weight load (decode over several slots is bound by the loads, not by the bytes). */
-static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, float *y, i64 ys) {
+static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, float *y, i64 ys, int part, int parts) {
     const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K, *x1 = x + (R > 1 ? xs : 0);
     float s[2][4] = {{0}};
     i64 k = 0;
 #ifdef NPUC_AVX2
     const i64 pf = prefetch_rows(K, 4) * K;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    i64 next = 16 * (i64)part; /* the next cache line this pass prefetches */
+#define NPUC_PREFETCH4                                                                            \
+    if (k == next) {                                                                           \
+        PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf); \
+        next += 16 * (i64)parts;                                                               \
+    }
     if (R == 1)
         for (; k + 8 <= K; k += 8) {
             __m256 xa = _mm256_loadu_ps(x + k);
-            PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
+            NPUC_PREFETCH4
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
             a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
@@ -254,7 +260,7 @@ static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, flo
         }
     else for (; k + 8 <= K; k += 8) {
         __m256 xa = _mm256_loadu_ps(x + k), xc = _mm256_loadu_ps(x1 + k), v;
-        PREFETCH(w0 + k + pf); PREFETCH(w1 + k + pf); PREFETCH(w2 + k + pf); PREFETCH(w3 + k + pf);
+        NPUC_PREFETCH4
         v = _mm256_loadu_ps(w0 + k); a0 = _mm256_fmadd_ps(v, xa, a0); c0 = _mm256_fmadd_ps(v, xc, c0);
         v = _mm256_loadu_ps(w1 + k); a1 = _mm256_fmadd_ps(v, xa, a1); c1 = _mm256_fmadd_ps(v, xc, c1);
         v = _mm256_loadu_ps(w2 + k); a2 = _mm256_fmadd_ps(v, xa, a2); c2 = _mm256_fmadd_ps(v, xc, c2);
@@ -262,6 +268,9 @@ static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, flo
     }
     s[0][0] = npuc_hsum8(a0); s[0][1] = npuc_hsum8(a1); s[0][2] = npuc_hsum8(a2); s[0][3] = npuc_hsum8(a3);
     s[1][0] = npuc_hsum8(c0); s[1][1] = npuc_hsum8(c1); s[1][2] = npuc_hsum8(c2); s[1][3] = npuc_hsum8(c3);
+#undef NPUC_PREFETCH4
+#else
+    (void)part, (void)parts;
 #endif
     for (int r = 0; r < R; r++) {
         const float *xr = r ? x1 : x;
@@ -273,12 +282,17 @@ static void dot4xr_f32(const float *x, i64 xs, int R, const float *w, i64 K, flo
     }
 }
 
-/* Rows [lo, hi) for every x row: four weight rows stay in cache while the x rows go by, two at a time. */
+/* Rows [lo, hi) for every x row: four weight rows stay in cache while the x rows go by, two at
+ * a time. The prefetches of the weight rows ahead are shared out among those passes, a cache
+ * line each in turn, so that memory streams while every pass computes: prefetched all in the
+ * first pass, the memory stood idle while the later ones ran (8 rows cost 1.35x 4 rows' time,
+ * the mixed step's 8 against decode's 4 on the 125M model; 1.2x with them shared). */
 static void nk_f32(const float *x, i64 M, i64 xs, const float *w, i64 K, i64 lo, i64 hi, float *y, i64 ys) {
     i64 n = lo;
+    int parts = (int)((M + 1) / 2);
     for (; n + 4 <= hi; n += 4)
         for (i64 m = 0; m < M; m += 2)
-            dot4xr_f32(x + m * xs, xs, M - m > 1 ? 2 : 1, w + n * K, K, y + m * ys + n, ys);
+            dot4xr_f32(x + m * xs, xs, M - m > 1 ? 2 : 1, w + n * K, K, y + m * ys + n, ys, (int)(m / 2), parts);
     for (; n < hi; n++)
         for (i64 m = 0; m < M; m++) y[m * ys + n] = dot1_f32(x + m * xs, w + n * K, K);
 }
