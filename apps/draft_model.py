@@ -7,7 +7,10 @@ feeds one token of each drafting slot. A slot first catches up on the tokens of 
 that its cache lacks (the target's last accepted tokens; usually one or two), then feeds each
 token it drafts to get the next, greedily. A slot that is not drafting feeds its last cached
 token at its own position again, which rewrites the same key and value (as the scheduler's
-idle rows do).
+idle rows do). A draft compiled with `--speculative_tokens K'` too catches up through its
+`verify` program, K' + 1 tokens of each slot a step (the rows a slot does not fill repeat its
+last one): after a stretch of plain decode (speculation switched off, then probed again),
+the tokens its cache missed cost a step per K' + 1, not a step each.
 
 What a slot's cache holds is tracked as tokens (`_seq`), so nothing is rolled back: a draft
 the target rejected stays in the cache past the common prefix of `_seq` and the sequence,
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from npuc.apps.generate import SLOT, generation_info, logits_f32, prefill_feeds
+from npuc.apps.speculative import VERIFY
 from npuc.errors import EXIT_USAGE, NpucError
 
 
@@ -57,6 +61,12 @@ class DraftModel:
                           "of one", f"compile the draft with --input_shape {info.ids_name}:{slots},S and "
                           "--decode_tokens 1")
         self._pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
+        verify = s.programs[VERIFY] if VERIFY in s.programs else None
+        self._vrows = next(t.shape[1] for t in verify.inputs if t.name == info.ids_name) if verify else 1
+        if verify is not None:
+            vpos = next(t for t in verify.inputs if t.name == self._pos_name)
+            self._vids = np.zeros((slots, self._vrows), dtype=np.int64)
+            self._vpos = np.zeros(tuple(vpos.shape), dtype=np.int64)
         self._slotted = SLOT in {t.name for t in s.programs["prefill"].inputs}
         self.slots = slots
         self._seq: list[list[int]] = [[] for _ in range(slots)]  # the tokens slot k's cache holds, from 0
@@ -84,26 +94,35 @@ class DraftModel:
             keep = min(_common(self._seq[k], seq), len(seq) - 1)  # the last token is always fed: its logits
             del self._seq[k][keep:]
             pending[k] = list(seq[keep:])
-        steps = max((len(pending[k]) + n - 1 for k, (_, n) in wants.items()), default=0)
-        for _ in range(steps):
-            feeding = []
+        while any(pending.values()):
+            # several tokens of a slot a step (verify) while one has more than one to catch up on
+            rows = self._vrows if self._vrows > 1 and any(len(q) > 1 for q in pending.values()) else 1
+            ids, pos = (self._vids, self._vpos.reshape(self.slots, rows)) if rows > 1 else (self._ids, self._pos)
+            fed: dict[int, int] = {}  # slot -> the row of its last token fed
             for k in range(self.slots):
                 held = self._seq[k]
-                if k in pending and pending[k]:
-                    token = pending[k].pop(0)
-                    feeding.append(k)
+                if pending.get(k):
+                    take = pending[k][:rows]
+                    del pending[k][:rows]
+                    fed[k] = len(take) - 1
                 elif held:
-                    token = held.pop()  # rewritten where it is: the same key and value
+                    take = [held.pop()]  # rewritten where it is: the same key and value
                 else:
-                    token = 0
-                self._ids[k, 0] = token
-                self._pos[k] = len(held)
-                held.append(token)
-            logits = logits_f32(self.session.run({self.info.ids_name: self._ids, self._pos_name: self._pos},
-                                                 "decode", copy_outputs=False)["logits"])
-            for k in feeding:
+                    take = [0]
+                for i in range(rows):
+                    j = min(i, len(take) - 1)
+                    ids[k, i if rows > 1 else 0] = take[j]
+                    if rows > 1:
+                        pos[k, i] = len(held) + j
+                    else:
+                        pos[k] = len(held)
+                held.extend(take)
+            out = self.session.run({self.info.ids_name: ids, self._pos_name: self._vpos if rows > 1 else self._pos},
+                                   VERIFY if rows > 1 else "decode", copy_outputs=False)
+            logits = logits_f32(out["logits"])
+            for k, row in fed.items():
                 if not pending[k] and len(drafts[k]) < wants[k][1]:
-                    token = int(logits[k].reshape(-1, logits.shape[-1])[-1].argmax())
+                    token = int(logits[k].reshape(-1, logits.shape[-1])[row if rows > 1 else -1].argmax())
                     drafts[k].append(token)
                     if len(drafts[k]) < wants[k][1]:
                         pending[k].append(token)  # fed next, for the draft after it

@@ -61,7 +61,7 @@ def main() -> None:
     block = [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 64, replace=False)]
     prompts = {"copy": block + block[:24], "plain": [int(t) for t in rng.choice(np.arange(10, min(vocab, 30000)), 128,
                                                                                replace=False)]}
-    if "text" in args.cases.split(","):
+    if any(c.startswith("text") for c in args.cases.split(",")):
         from pathlib import Path
 
         held = (Path(__file__).resolve().parent.parent / "tests/data/stdlib_llama/heldout.bin").read_bytes()

@@ -32,6 +32,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": Path(compile_model(str(root / "target"), speculative_tokens=K, output=str(root / "t"),
                                          **common)),  # type: ignore[arg-type]
             "other": Path(compile_model(str(root / "other"), output=str(root / "o"), **common)),  # type: ignore[arg-type]
+            # the same draft with a verify program: its catch-up feeds K + 1 tokens a step
+            "other_verify": Path(compile_model(str(root / "other"), speculative_tokens=K, output=str(root / "ov"),
+                                               **common)),  # type: ignore[arg-type]
             "one_slot": Path(compile_model(str(root / "other"), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
                                            output=str(root / "o1")))}
 
@@ -57,11 +60,23 @@ def test_greedy_output_is_unchanged_by_a_draft_model(models: dict[str, Path], wh
         assert stats.accepted < stats.drafted
 
 
-def test_drafts_are_the_draft_model_s_own_greedy_tokens(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("which", ["other", "other_verify"])
+def test_drafts_are_the_draft_model_s_own_greedy_tokens(models: dict[str, Path], which: str) -> None:
     """Drafting in pieces (a sequence that grows by accepted tokens between proposals, the cache
-    caught up each time) gives the tokens one greedy decode of the draft model gives."""
-    want, _ = _run(NativeSession(str(models["other"])), SpeculativeConfig(method="off"), n=12)
-    d = DraftModel(NativeSession(str(models["other"])), 2, 128, MAX_SEQ)
+    caught up each time) gives the tokens one greedy decode of the draft model gives; also
+    after a long stretch without drafting, which a draft with a verify program catches up on
+    K + 1 tokens a step."""
+    want, _ = _run(NativeSession(str(models["other"])), SpeculativeConfig(method="off"), n=24)
+    s = NativeSession(str(models[which]))
+    programs: list[str] = []
+    run = s.run
+
+    def counted(feeds: Any, program: str, **kw: Any) -> Any:
+        programs.append(program)
+        return run(feeds, program, **kw)
+
+    s.run = counted
+    d = DraftModel(s, 2, 128, MAX_SEQ)
     seqs = [list(p) for p in PROMPTS]
     for k, p in enumerate(PROMPTS):
         d.admit(k, p)
@@ -69,7 +84,15 @@ def test_drafts_are_the_draft_model_s_own_greedy_tokens(models: dict[str, Path])
         got = d.propose({k: (seqs[k], 3) for k in range(2)})
         for k in range(2):
             seqs[k] += got[k][:2]  # two of three accepted: the third is written over next time
-    assert [s[len(p):len(p) + 12] for s, p in zip(seqs, PROMPTS, strict=True)] == want
+    for k in range(2):  # 10 tokens decoded without the draft (speculation off a while)
+        seqs[k] = [*PROMPTS[k], *want[k][:22]]
+    del programs[:]
+    got = d.propose({k: (seqs[k], 2) for k in range(2)})
+    assert [g[:2] for g in got.values()] == [w[22:24] for w in want]
+    # the cache holds 12 of the 22 tokens: 10 to catch up on, the last one's step drafting the
+    # first token, one more step the second: a step each, or two of K + 1 = 5 and one
+    assert programs == (["decode"] * 11 if which == "other" else ["verify"] * 2 + ["decode"])
+    assert [s[len(p):len(p) + 12] for s, p in zip(seqs, PROMPTS, strict=True)] == [w[:12] for w in want]
 
 
 def test_a_draft_that_does_not_fit_is_refused(models: dict[str, Path]) -> None:
