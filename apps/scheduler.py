@@ -399,12 +399,14 @@ class Scheduler:
             speculated += 1 + (r.spec.expected(len(d)) if d else 0.0)
             if d:
                 drafts[k] = d
-        probe = bool(drafts or wants) and self._times.since_verify >= self._times.PROBE_EVERY
+        probe = bool(drafts or wants) and self._times.probe_due()
         ratio = self._times.ratio()
         if self._draft is not None and self._draft_time is not None and self._times.decode:
             ratio += self._draft_time / self._times.decode  # drafting's cost, in decode steps
-        if not probe and (speculated <= plain
-                          or speculated / ratio < plain * self.speculative.min_gain):
+        pays = speculated > plain and speculated / ratio >= plain * self.speculative.min_gain
+        if drafts or wants:
+            self._times.chose(pays or probe, not pays)
+        if not pays and not probe:
             for k, d in drafts.items():  # checked against the token the step chooses (acceptance)
                 spec = self._running[k].spec  # type: ignore[union-attr]
                 assert spec is not None
@@ -445,6 +447,7 @@ class Scheduler:
     def _admit(self, r: Request, k: int, events: list[Event], sibling_slots: list[int] | None = None) -> None:
         info = self.info
         group = list(zip([r, *r.siblings], [k, *(sibling_slots or [])], strict=True))
+        self._times.admitted()  # a new request's drafts may pay: probes at their first rate
         if self._draft is not None:
             for q, kq in group:
                 if q.spec is not None:

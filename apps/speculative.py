@@ -157,14 +157,35 @@ class StepTimes:
     program's first run (which touches its arena and packs its weights) is not counted."""
 
     # Plain steps with drafts after which verify is run again to re-measure it, whatever the
-    # estimate says (a stale or unlucky measurement must not switch speculation off for good)
+    # estimate says (a stale or unlucky measurement must not switch speculation off for good);
+    # doubled after each probe that does not switch it back on, up to PROBE_MOST (a draft
+    # model's probe first catches up on every token since the last: probes that keep failing
+    # must not cost a share of the steps), and back at PROBE_EVERY once verify pays again or
+    # a request is admitted
     PROBE_EVERY = 64
+    PROBE_MOST = 1024
 
     def __init__(self) -> None:
         self.decode: float | None = None
         self.verify: float | None = None
         self._ran: set[str] = set()
         self.since_verify = 0
+        self.probe_every = self.PROBE_EVERY
+        self._probed = False  # the last step was a probe
+
+    def probe_due(self) -> bool:
+        return self.since_verify >= self.probe_every
+
+    def chose(self, verify: bool, probe: bool) -> None:
+        """The plan of a step with drafts: verify or not, and whether only as a probe."""
+        if verify and not probe:
+            self.probe_every = self.PROBE_EVERY
+        elif not verify and self._probed:
+            self.probe_every = min(2 * self.probe_every, self.PROBE_MOST)
+        self._probed = verify and probe
+
+    def admitted(self) -> None:
+        self.probe_every = self.PROBE_EVERY
 
     def add(self, program: str, seconds: float) -> None:
         self.since_verify = 0 if program == VERIFY else self.since_verify + 1

@@ -14,7 +14,7 @@ from hf_models import GEN_ARCHS, save_checkpoint
 
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, verify_draft
 from npuc.apps.scheduler import Scheduler
-from npuc.apps.speculative import VERIFY, NgramIndex, SpeculativeConfig
+from npuc.apps.speculative import VERIFY, NgramIndex, SpeculativeConfig, StepTimes
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
@@ -142,6 +142,44 @@ def test_ngram_drafts() -> None:
     cycle = NgramIndex(2, 4)
     cycle.extend([8, 5, 6, 5, 6])
     assert cycle.draft(5) == [5, 6, 5, 6, 5]  # a repeating stretch runs on into its own copy
+
+
+def test_probes_back_off_while_they_fail() -> None:
+    """Speculation switched off is probed after PROBE_EVERY plain steps; each probe that does not
+    switch it back on doubles the wait (up to PROBE_MOST); verify paying again, or a new request,
+    brings it back."""
+    times = StepTimes()
+    first = StepTimes.PROBE_EVERY
+
+    def plain_steps(n: int) -> None:
+        for _ in range(n):
+            times.chose(False, False)
+            times.add("decode", 0.01)
+
+    plain_steps(first - 1)
+    assert not times.probe_due()
+    plain_steps(1)
+    assert times.probe_due()
+    for wait in (2 * first, 4 * first):
+        times.chose(True, True)  # the probe
+        times.add(VERIFY, 0.02)
+        plain_steps(1)  # ... did not pay: off again
+        assert times.probe_every == wait
+        plain_steps(wait - 2)
+        assert not times.probe_due()
+        plain_steps(1)
+        assert times.probe_due()
+    for _ in range(10):
+        times.chose(True, True)
+        times.chose(False, False)
+    assert times.probe_every == StepTimes.PROBE_MOST
+    times.chose(True, True)
+    times.chose(True, False)  # the probe found drafts that pay
+    assert times.probe_every == first
+    times.chose(True, True)
+    times.chose(False, False)
+    times.admitted()
+    assert times.probe_every == first
 
 
 @pytest.mark.parametrize("kwargs,text", [
