@@ -274,7 +274,7 @@ class Scheduler:
         # run many steps of few rows (a burst's throughput), while a prefill delays the streaming
         # slots once.
         self._mix_admitted = (any(r is not None and r.tokens for r in self._running)
-                           and not (len(self._queue) > 1 and len(free) > 1))
+                              and not (len(self._queue) > 1 and len(free) > 1))
         while self._queue and len(free) > len(self._queue[0].siblings):  # in order: a group waits for its slots
             lead = self._queue.popleft()
             taken, free = free[:1 + len(lead.siblings)], free[1 + len(lead.siblings):]
