@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from npuc.apps.generate import SLOT, generation_info, logits_f32, prefill_feeds
+from npuc.apps.generate import SLOT, generation_info, logits_f32, prefill_feeds, program_rows
 from npuc.apps.speculative import VERIFY
 from npuc.errors import EXIT_USAGE, NpucError
 
@@ -61,12 +61,9 @@ class DraftModel:
                           "of one", f"compile the draft with --input_shape {info.ids_name}:{slots},S and "
                           "--decode_tokens 1")
         self._pos_name = next(t.name for t in decode.inputs if t.name != info.ids_name)
-        verify = s.programs[VERIFY] if VERIFY in s.programs else None
-        self._vrows = next(t.shape[1] for t in verify.inputs if t.name == info.ids_name) if verify else 1
-        if verify is not None:
-            vpos = next(t for t in verify.inputs if t.name == self._pos_name)
-            self._vids = np.zeros((slots, self._vrows), dtype=np.int64)
-            self._vpos = np.zeros(tuple(vpos.shape), dtype=np.int64)
+        self._vrows = program_rows(s, VERIFY, info.ids_name)  # 0: no verify program
+        self._vids = np.zeros((slots, self._vrows), dtype=np.int64)
+        self._vpos = np.zeros((slots, self._vrows), dtype=np.int64)
         self._slotted = SLOT in {t.name for t in s.programs["prefill"].inputs}
         self.slots = slots
         self._seq: list[list[int]] = [[] for _ in range(slots)]  # the tokens slot k's cache holds, from 0
@@ -97,7 +94,8 @@ class DraftModel:
         while any(pending.values()):
             # several tokens of a slot a step (verify) while one has more than one to catch up on
             rows = self._vrows if self._vrows > 1 and any(len(q) > 1 for q in pending.values()) else 1
-            ids, pos = (self._vids, self._vpos.reshape(self.slots, rows)) if rows > 1 else (self._ids, self._pos)
+            program, ids, pos_in = (VERIFY, self._vids, self._vpos) if rows > 1 else ("decode", self._ids, self._pos)
+            pos = pos_in.reshape(self.slots, rows)
             fed: dict[int, int] = {}  # slot -> the row of its last token fed
             for k in range(self.slots):
                 held = self._seq[k]
@@ -111,18 +109,13 @@ class DraftModel:
                     take = [0]
                 for i in range(rows):
                     j = min(i, len(take) - 1)
-                    ids[k, i if rows > 1 else 0] = take[j]
-                    if rows > 1:
-                        pos[k, i] = len(held) + j
-                    else:
-                        pos[k] = len(held)
+                    ids[k, i], pos[k, i] = take[j], len(held) + j
                 held.extend(take)
-            out = self.session.run({self.info.ids_name: ids, self._pos_name: self._vpos if rows > 1 else self._pos},
-                                   VERIFY if rows > 1 else "decode", copy_outputs=False)
+            out = self.session.run({self.info.ids_name: ids, self._pos_name: pos_in}, program, copy_outputs=False)
             logits = logits_f32(out["logits"])
             for k, row in fed.items():
                 if not pending[k] and len(drafts[k]) < wants[k][1]:
-                    token = int(logits[k].reshape(-1, logits.shape[-1])[row if rows > 1 else -1].argmax())
+                    token = int(logits[k].reshape(-1, logits.shape[-1])[row].argmax())
                     drafts[k].append(token)
                     if len(drafts[k]) < wants[k][1]:
                         pending[k].append(token)  # fed next, for the draft after it

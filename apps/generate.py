@@ -96,6 +96,13 @@ def generation_info(s: Session | NativeSession) -> GenerationInfo:
                           last, takes, bool(meta.get("recurrent_state")))
 
 
+def program_rows(s: Session | NativeSession, program: str, ids_name: str) -> int:
+    """The tokens of each slot a step of `program` runs (its token ids' second dim), 0 where
+    the model has no such program (verify: --speculative_tokens; mixed: --mixed_tokens)."""
+    p = s.programs.get(program) if hasattr(s.programs, "get") else None
+    return next(int(t.shape[1]) for t in p.inputs if t.name == ids_name) if p is not None else 0
+
+
 def prefill_feeds(info: GenerationInfo, prompt: Sequence[int], bufs: tuple[Any, Any, Any],
                   slot: int | None) -> tuple[dict[str, Any], int]:
     """The prefill program's feeds for `prompt`'s first prefill_len tokens, in `bufs` (the

@@ -53,6 +53,7 @@ from npuc.apps.generate import (
     generation_info,
     logits_f32,
     prefill_feeds,
+    program_rows,
 )
 from npuc.apps.prefix_cache import PrefixBook
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
@@ -135,8 +136,7 @@ class Scheduler:
         self.speculative.check()
         self.stats = SpeculationStats()
         self._times = StepTimes()
-        verify = s.programs.get(VERIFY) if hasattr(s.programs, "get") else None
-        self._vrows = next(t.shape[1] for t in verify.inputs if t.name == self._ids_name) if verify else 0
+        self._vrows = program_rows(s, VERIFY, self._ids_name)
         # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not
         self._can_verify = self._vrows > 1 and not self.info.recurrent
         self._spec_on = self._can_verify and self.speculative.method != "off"
@@ -154,8 +154,7 @@ class Scheduler:
             if self._spec_on:
                 self._draft = DraftModel(draft, self.slots, self.info.vocab, self.info.max_seq_len)
         # The mixed step: where the model has one (and no recurrent state, which only a prefill resets)
-        mixed = s.programs.get(MIXED) if hasattr(s.programs, "get") else None
-        self._mrows = next(t.shape[1] for t in mixed.inputs if t.name == self._ids_name) if mixed else 0
+        self._mrows = program_rows(s, MIXED, self._ids_name)
         self._mixed_on = bool(self._mrows) and self._slotted and not self.info.recurrent
         self._mids = np.zeros((1, self._mrows), dtype=np.int64)
         self._mpos = np.zeros((1, self._mrows), dtype=np.int64)
@@ -314,14 +313,7 @@ class Scheduler:
             if r is None:
                 continue
             n = self._fed[k]
-            if r.prompt_logprobs:  # row i scores the token after the one fed at position r.pos + i
-                for i in range(n):
-                    if r.pos + i + 1 < len(r.prompt):
-                        row = logits[k, i if every_row else -1]
-                        r.prompt_lp.append(token_logprobs(row, r.prompt[r.pos + i + 1], r.logprobs))
-            del r.feed[:n]
-            r.pos += n
-            if r.feed:
+            if not self._advance(r, n, logits[k], every_row):
                 continue
             before = len(r.tokens)
             drafts = self._drafts.get(k)
@@ -358,16 +350,25 @@ class Scheduler:
         for k, at in fed.items():
             r = self._running[k]
             assert r is not None
-            if r.prompt_logprobs:  # row i scores the token after the one it fed
-                for i, row in enumerate(at):
-                    if r.pos + i + 1 < len(r.prompt):
-                        r.prompt_lp.append(token_logprobs(logits[row], r.prompt[r.pos + i + 1], r.logprobs))
-            del r.feed[:len(at)]
-            r.pos += len(at)
-            if not r.feed:
+            if self._advance(r, len(at), logits[at[0]:at[-1] + 1], True):
                 before = len(r.tokens)
                 self._choose(r, logits[at[-1]], events)
                 self.stats.tokens += len(r.tokens) - before
+
+    @staticmethod
+    def _advance(r: Request, n: int, rows: Any, every_row: bool) -> bool:
+        """Request r's next n fed tokens ran, `rows` the logits after each (`every_row`), else
+        after the last only: the prompt tokens they score (row i the one after the token fed
+        at r.pos + i) and r's place moved on. Whether its feed is done (the last row gives its
+        next token)."""
+        if r.prompt_logprobs:
+            for i in range(n):
+                if r.pos + i + 1 < len(r.prompt):
+                    row = rows[i if every_row else -1]
+                    r.prompt_lp.append(token_logprobs(row, r.prompt[r.pos + i + 1], r.logprobs))
+        del r.feed[:n]
+        r.pos += n
+        return not r.feed
 
     def _plan(self) -> str:
         """The program of this step: verify (with each decoding slot's drafts in self._drafts)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from hf_models import save_checkpoint
+from program_log import record_programs
 
 from npuc.apps.draft_model import DraftModel
 from npuc.apps.scheduler import Scheduler
@@ -68,14 +69,7 @@ def test_drafts_are_the_draft_model_s_own_greedy_tokens(models: dict[str, Path],
     K + 1 tokens a step."""
     want, _ = _run(NativeSession(str(models["other"])), SpeculativeConfig(method="off"), n=24)
     s = NativeSession(str(models[which]))
-    programs: list[str] = []
-    run = s.run
-
-    def counted(feeds: Any, program: str, **kw: Any) -> Any:
-        programs.append(program)
-        return run(feeds, program, **kw)
-
-    s.run = counted
+    programs = record_programs(s)
     d = DraftModel(s, 2, 128, MAX_SEQ)
     seqs = [list(p) for p in PROMPTS]
     for k, p in enumerate(PROMPTS):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hf_models import save_checkpoint
 from model_matrix import tiny_config
+from program_log import record_programs
 
 from npuc.apps.scheduler import Scheduler
 from npuc.compiler.driver import compile_model
@@ -51,14 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
 
 def _serve(s: Any) -> tuple[list[list[int]], int]:
     """Each request's tokens, and the mixed steps run."""
-    programs: list[str] = []
-    run = s.run
-
-    def counted(feeds: Any, program: str, **kw: Any) -> Any:
-        programs.append(program)
-        return run(feeds, program, **kw)
-
-    s.run = counted
+    programs = record_programs(s)
     sched = Scheduler(s)
     ids = [sched.submit(p, n, ignore_eos=True) for p, n in zip(PROMPTS, NEW, strict=True)]
     while not sched.idle:
@@ -85,14 +79,7 @@ def test_requests_admitted_together_are_prefilled(models: dict[str, tuple[Path, 
                        max_seq_len=MAX_SEQ, mixed_tokens=C, output=str(tmp_path / "m3"))
     for burst, want_prefills in ((True, 2), (False, 1)):
         s = Session.load(om)
-        programs: list[str] = []
-        run = s.run
-
-        def counted(feeds: Any, program: str, run: Any = run, programs: list[str] = programs, **kw: Any) -> Any:
-            programs.append(program)
-            return run(feeds, program, **kw)
-
-        s.run = counted
+        programs = record_programs(s)
         sched = Scheduler(s)
         first = sched.submit(PROMPTS[0], 12, ignore_eos=True)
         sched.step()
