@@ -1058,25 +1058,16 @@ static void kv_store_row(char *dst, int kind, const void *src, int sbf, i64 from
     }
 }
 
+/* Cache row `row` (of rb bytes) = new's D values from element `from`, in the cache's layout. */
+static void kv_put(void *cache, int kind, const void *src, int sbf, i64 rb, i64 row, i64 from, i64 D) {
+    char *dst = (char *)cache + row * rb;
+    if (kind == sbf) memcpy(dst, (const char *)src + from * (sbf ? 2 : 4), (size_t)rb);
+    else kv_store_row(dst, kind, src, sbf, from, D);
+}
+
 /* cache[b, h, pos[i], :] = new[b, h, i, :], in place; rows f32 or bf16 (sbf), the cache in any
  * layout (kind). pos [S] for every sequence (pstride 0) or [B, S] (pstride S, each its own);
  * sequence b goes to cache slot b, or (slot >= 0, B = 1) to slot `slot`. D is new's last dim. */
-int npuc_kv_write_rows(void *cache, int kind, const void *src, int sbf, const int64_t *pos, const int64_t *slot,
-                       i64 slots, i64 H, i64 L, i64 S, i64 D) {
-    if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
-    for (i64 i = 0; i < S; i++)
-        if (pos[i] < 0 || pos[i] >= L || slot[i] < 0 || slot[i] >= slots) return -1;
-    const i64 rb = kv_row_bytes(kind, D);
-    for (i64 h = 0; h < H; h++)
-        for (i64 i = 0; i < S; i++) {
-            i64 row = (slot[i] * H + h) * L + pos[i], from = (h * S + i) * D;
-            char *dst = (char *)cache + row * rb;
-            if (kind == sbf) memcpy(dst, (const char *)src + from * (sbf ? 2 : 4), (size_t)rb);
-            else kv_store_row(dst, kind, src, sbf, from, D);
-        }
-    return 0;
-}
-
 int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t *pos, i64 pstride, i64 slot,
                   i64 B, i64 H, i64 L, i64 S, i64 D) {
     if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
@@ -1086,11 +1077,22 @@ int npuc_kv_write(void *cache, int kind, const void *src, int sbf, const int64_t
     for (i64 bh = 0; bh < B * H; bh++)
         for (i64 i = 0; i < S; i++) {
             i64 b = bh / H, row = ((slot >= 0 ? slot : b) * H + bh % H) * L + pos[b * pstride + i];
-            i64 from = (bh * S + i) * D;
-            char *dst = (char *)cache + row * rb;
-            if (kind == sbf) memcpy(dst, (const char *)src + from * (sbf ? 2 : 4), (size_t)rb);
-            else kv_store_row(dst, kind, src, sbf, from, D);
+            kv_put(cache, kind, src, sbf, rb, row, (bh * S + i) * D, D);
         }
+    return 0;
+}
+
+/* A mixed step's rows: cache[slot[i], h, pos[i], :] = new[0, h, i, :] (slot[i] of `slots`), in
+ * place, as npuc_kv_write; non-zero, before any row is written, for a slot or position outside. */
+int npuc_kv_write_rows(void *cache, int kind, const void *src, int sbf, const int64_t *pos, const int64_t *slot,
+                       i64 slots, i64 H, i64 L, i64 S, i64 D) {
+    if (kind < NPUC_KV_F32 || kind > NPUC_KV_I8 || (sbf != 0 && sbf != 1)) return -1;
+    for (i64 i = 0; i < S; i++)
+        if (pos[i] < 0 || pos[i] >= L || slot[i] < 0 || slot[i] >= slots) return -1;
+    const i64 rb = kv_row_bytes(kind, D);
+    for (i64 h = 0; h < H; h++)
+        for (i64 i = 0; i < S; i++)
+            kv_put(cache, kind, src, sbf, rb, (slot[i] * H + h) * L + pos[i], (h * S + i) * D, D);
     return 0;
 }
 
