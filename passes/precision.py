@@ -241,7 +241,7 @@ class Precision(Pass):
         # below) is its only reader.
         st.type = st.type.with_dtype(want)
         rows = _cast(g, w.inputs[1], want, w, made)
-        new = g.add_node("kv_write", [st, rows, w.inputs[2]], [st.type], dict(w.attrs),
+        new = g.add_node("kv_write", [st, rows, *w.inputs[2:]], [st.type], dict(w.attrs),  # positions (, slot)
                          names=f"{w.outputs[0].name}_{want}", before=w)
         name = w.outputs[0].name
         g.replace_all_uses_with(w.outputs[0], new.outputs[0])  # its readers convert below

@@ -211,3 +211,18 @@ def test_mla_attention_over_a_half_latent_cache(dtype: torch.dtype, s: int, posi
     # the half dtype (as a linear's would), so a few units of the half dtype at most
     f32 = get_op("mla_attention").run([x.float() for x in ins[:5]] + ins[5:], {"scale": 0.2})[0]
     assert float((want.float() - f32).abs().max()) <= 4 * torch.finfo(dtype).eps * float(f32.abs().max())
+
+
+@pytest.mark.parametrize("program", ["prefill", "mixed"])
+def test_a_half_cache_keeps_each_rows_slot(checkpoints: dict[str, Path], tmp_path: Path, program: str) -> None:
+    """With slots, prefill (and the mixed step) write the slot their `slot` input names: the
+    bf16 cache's rebuilt kv_write keeps that operand, and each slot decodes as the model of
+    one slot does."""
+    from npuc.apps.scheduler import generate_many
+
+    slotted = Session.load(compile_model(str(checkpoints["llama"]), input_shape="input_ids:2,8", max_seq_len=48,
+                                         precision_mode=BF16, mixed_tokens=2 if program == "mixed" else None,
+                                         output=str(tmp_path / "slots")), use_native=False)
+    one = Session.load(str(_compile(checkpoints["llama"], tmp_path / "one", BF16)), use_native=False)
+    want = [generate_many(one, [p], 12, True)[0] for p in PROMPTS[:2]]
+    assert generate_many(slotted, PROMPTS[:2], 12, True) == want
