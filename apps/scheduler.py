@@ -55,6 +55,7 @@ from npuc.apps.generate import (
     prefill_feeds,
     program_rows,
 )
+from npuc.apps.mtp_draft import HIDDEN, MTPDrafter, has_mtp
 from npuc.apps.prefix_cache import PrefixBook
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
 from npuc.apps.speculative import (
@@ -139,15 +140,24 @@ class Scheduler:
         self._vrows = program_rows(s, VERIFY, self._ids_name)
         # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not
         self._can_verify = self._vrows > 1 and not self.info.recurrent
-        self._spec_on = self._can_verify and self.speculative.method != "off"
+        method = self.speculative.method
+        if method == "auto":  # the model's own MTP layer where it has one, else n-grams
+            method = "mtp" if has_mtp(s) else "ngram"
+        self._spec_on = self._can_verify and method != "off"
         self._k = min(self.speculative.tokens or self._vrows - 1, self._vrows - 1)
         self._vids = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._vpos = np.zeros((self.slots, self._vrows), dtype=np.int64)
         self._drafts: dict[int, list[int]] = {}
         # A draft model (apps/draft_model.py) where the method is "draft": its session, checked
-        self._draft: DraftModel | None = None
+        self._draft: DraftModel | MTPDrafter | None = None
         self._draft_time: float | None = None  # seconds of drafting a verify step (moving average)
-        if self.speculative.method == "draft":
+        # The model's own MTP layer (apps/mtp_draft.py) where the method is "mtp": it keeps the
+        # hidden states each step returns
+        self._mtp: MTPDrafter | None = None
+        if method == "mtp" and (self._spec_on or not has_mtp(s)):  # (refused without one)
+            self._mtp = MTPDrafter(s, self.slots, int(getattr(s, "prefix_entries", 0) or 0))
+            self._draft = self._mtp
+        if method == "draft":
             if draft is None:
                 raise NpucError("NPUC-E0163", "--speculative draft needs a draft model",
                                 "give --draft small.om (a model of the same vocabulary)", exit_code=EXIT_USAGE)
@@ -305,6 +315,10 @@ class Scheduler:
         start = time.perf_counter()
         out = self.session.run({self._ids_name: ids, self._pos_name: pos_in}, program, copy_outputs=False)
         logits = logits_f32(out["logits"])
+        if self._mtp is not None:
+            for k, r in enumerate(self._running):
+                if r is not None:
+                    self._mtp.record(k, pos[k], out[HIDDEN][k])
         self._times.add(program, time.perf_counter() - start)
         self.stats.steps += 1
         self.stats.verify_steps += program == VERIFY
@@ -347,6 +361,9 @@ class Scheduler:
                                copy_outputs=False)
         logits = logits_f32(out["logits"])[0]
         self.stats.steps += 1
+        if self._mtp is not None:
+            for k, at in fed.items():
+                self._mtp.record(k, self._mpos[0, at], out[HIDDEN][0, at])
         for k, at in fed.items():
             r = self._running[k]
             assert r is not None
@@ -402,8 +419,9 @@ class Scheduler:
                 drafts[k] = d
         probe = bool(drafts or wants) and self._times.probe_due()
         ratio = self._times.ratio()
-        if self._draft is not None and self._draft_time is not None and self._times.decode:
-            ratio += self._draft_time / self._times.decode  # drafting's cost, in decode steps
+        step = self._times.decode_step()
+        if self._draft is not None and self._draft_time is not None and step:
+            ratio += self._draft_time / step  # drafting's cost, in decode steps
         pays = speculated > plain and speculated / ratio >= plain * self.speculative.min_gain
         if drafts or wants:
             self._times.chose(pays or probe, not pays)
@@ -416,7 +434,8 @@ class Scheduler:
         if self._draft is not None:
             start = time.perf_counter()
             drafts = {k: d for k, d in self._draft.propose(wants).items() if d}
-            took = time.perf_counter() - start
+            # a drafter's catch-up on a whole prompt is paid once a request, not each step
+            took = time.perf_counter() - start - getattr(self._draft, "prefill_seconds", 0.0)
             self._draft_time = took if self._draft_time is None else self._draft_time + 0.2 * (took - self._draft_time)
             if not drafts:
                 return "decode"
@@ -473,19 +492,28 @@ class Scheduler:
             entry, m = self.prefixes.match(r.prompt, 8 * (self._vrows if self._can_verify else self.tokens))
             if entry >= 0:  # its first m positions from the pool; the rest through the steps
                 self.session.load_prefix(entry, k, m)
+                if self._mtp is not None:
+                    self._mtp.loaded(entry, k, m)
                 r.slot, r.pos, r.feed = k, m, list(r.prompt[m:])
                 self._running[k] = r
                 return
         feeds, n = prefill_feeds(info, r.prompt, (self._prompt, self._last, self._slot), k if self._slotted else None)
-        rows = logits_f32(self.session.run(feeds, "prefill", copy_outputs=False)["logits"][0])
+        out = self.session.run(feeds, "prefill", copy_outputs=False)
+        rows = logits_f32(out["logits"][0])
+        if self._mtp is not None:
+            self._mtp.record(k, np.arange(n), out[HIDDEN][0, :n])
         if self.prefixes is not None and (entry := self.prefixes.place(r.prompt[:n])) >= 0:
             self.session.save_prefix(k, entry, n)
+            if self._mtp is not None:
+                self._mtp.saved(k, entry, n)
         logits = rows[0 if info.last_token else n - 1]
         if r.prompt_logprobs:  # row i scores prompt token i + 1
             r.prompt_lp = [token_logprobs(rows[i], r.prompt[i + 1], r.logprobs) for i in range(min(n, len(r.prompt) - 1))]
         for q, kq in group:  # the others continue from a copy of this slot: one prefill for all
             if kq != k:
                 self.session.copy_slot(k, kq)
+                if self._mtp is not None:
+                    self._mtp.copied(k, kq)
             q.slot, q.pos, q.feed, q.prompt_lp = kq, n, list(q.prompt[n:]), list(r.prompt_lp)
             self._running[kq] = q
         for q, _ in group:

@@ -29,6 +29,9 @@ Drafters:
 - a draft model (`--draft small.om`, apps/draft_model.py): a small `.om` of the same
   vocabulary, as many slots, decodes each drafting slot's next tokens greedily, all slots in
   one step of its decode program; its cost is weighed with verify's.
+- MTP (apps/mtp_draft.py): the model's own multi-token-prediction layer, compiled into the
+  same `.om` with `--mtp`, chained on the main model's hidden states; weighed as a draft
+  model is.
 
 The scheduler (apps/scheduler.py) runs `verify` only when it pays: it keeps each request's
 acceptance rate (also measured on steps without drafts checked, from what the drafter would
@@ -44,17 +47,18 @@ from dataclasses import dataclass, field
 from npuc.errors import EXIT_USAGE, NpucError
 
 VERIFY = "verify"  # the program --speculative_tokens compiles (compiler/flag_checks.py)
-METHODS = ("ngram", "draft", "off")
+METHODS = ("auto", "ngram", "draft", "mtp", "off")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the scheduler drafts: `method` "ngram" (prompt lookup), "draft" (a draft model's
-    `.om`: apps/draft_model.py) or "off"; `tokens`: drafted
+    `.om`: apps/draft_model.py), "mtp" (the model's own multi-token-prediction layer:
+    apps/mtp_draft.py), "auto" (mtp where the `.om` has it, else ngram) or "off"; `tokens`: drafted
     tokens a step, at most the verify program's K (None: K); n-grams of `ngram_min` to
     `ngram_max` tokens; `min_gain`: the expected speed-up below which a step runs plain decode."""
 
-    method: str = "ngram"
+    method: str = "auto"
     tokens: int | None = None
     ngram_min: int = 2
     ngram_max: int = 4
@@ -63,7 +67,7 @@ class SpeculativeConfig:
     def check(self) -> None:
         if self.method not in METHODS:
             raise NpucError("NPUC-E0162", f"speculative method {self.method!r} is not one of "
-                            + ", ".join(METHODS), "use ngram, draft or off", exit_code=EXIT_USAGE)
+                            + ", ".join(METHODS), "use auto, ngram, draft, mtp or off", exit_code=EXIT_USAGE)
         if self.tokens is not None and not 1 <= self.tokens <= 64:
             raise NpucError("NPUC-E0162", f"speculative tokens {self.tokens} is not from 1 to 64",
                             "give the drafted tokens a step checks", exit_code=EXIT_USAGE)
@@ -204,3 +208,11 @@ class StepTimes:
         if self.decode is None or self.verify is None or self.decode <= 0:
             return 1.5
         return self.verify / self.decode
+
+    def decode_step(self) -> float | None:
+        """decode's step time, or until it ran, verify's over the guessed ratio (a drafter's
+        cost is counted in decode steps from the first verify step on: a run that drafts from
+        the start never measures decode)."""
+        if self.decode is not None and self.decode > 0:
+            return self.decode
+        return self.verify / self.ratio() if self.verify is not None else None

@@ -3,9 +3,11 @@ the same prompts decoded with `--speculative off` and `ngram`, timed in turn, on
 
     python bench/speculative.py MODEL.om [--rounds 5] [--new 128] [--threads 2] [--cases copy,rejected]
     python bench/speculative.py STDLIB.om --draft SMALL.om --cases text,copy
+    python bench/speculative.py STDLIB_MTP.om --mtp --cases text,copy
 
 With --draft, the speculative runs draft with a small model's `.om` (method "draft",
-apps/draft_model.py) instead of n-grams.
+apps/draft_model.py) instead of n-grams; with --mtp, with the model's own MTP layer (a `.om`
+compiled with --mtp; apps/mtp_draft.py, bench/train_stdlib_mtp.py trains one).
 
 Prompts (token ids, so any vocabulary serves):
 - copy: a 64-token block, then the block again cut short: where the model continues the
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="copy,plain,sampled,rejected", help="which prompts, comma-separated")
     ap.add_argument("--draft", default=None, metavar="SMALL.om", help="draft with this model instead of n-grams")
+    ap.add_argument("--mtp", action="store_true", help="draft with the model's MTP layer instead of n-grams")
     args = ap.parse_args()
     os.environ.setdefault("NPUC_NUM_THREADS", str(args.threads))
     from npuc.apps.sampling import GREEDY, SamplingParams
@@ -53,7 +56,7 @@ def main() -> None:
 
     s = open_session(args.om)
     draft = open_session(args.draft) if args.draft else None
-    method = "draft" if draft is not None else "ngram"
+    method = "draft" if draft is not None else "mtp" if args.mtp else "ngram"
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -75,7 +78,7 @@ def main() -> None:
              ("text-sampled", prompts.get("text"), hot, {})]
     wanted = args.cases.split(",")
     for name, prompt, sampling, extra in [c for c in cases if c[0] in wanted]:
-        if method == "draft":
+        if method != "ngram":
             extra = {k: v for k, v in extra.items() if not k.startswith("ngram")}
         times: dict[str, list[float]] = {"off": [], method: []}
         outs: dict[str, list[int]] = {}

@@ -135,6 +135,9 @@ _MODEL_OPTIONS = [
                  metavar="K",
                  help="With --max_seq_len: also emit a `verify` program of K + 1 tokens of each slot, for "
                       "speculative decoding (n-gram, or a draft model) and prompt chunks after a prefix-cache hit."),
+    click.option("--mtp", "mtp", is_flag=True, default=False,
+                 help="With --speculative_tokens: also compile the checkpoint's multi-token-prediction layer "
+                      "(DeepSeek-V3's model.layers.<num_hidden_layers>) as draft programs: `--speculative mtp`."),
     click.option("--mixed_tokens", "--mixed-tokens", "mixed_tokens", type=int, default=None, metavar="C",
                  help="With --max_seq_len: also emit a `mixed` program of one token of each slot plus C prompt "
                       "tokens, which `npuc serve` runs while it admits a request beside the slots decoding "
@@ -230,7 +233,7 @@ def compile_cmd(ctx: click.Context, **opts: Any) -> None:
                   precision_mode=opts["precision_mode"], keep_dtype=opts["keep_dtype"],
                   max_seq_len=opts["max_seq_len"], prefill_logits=opts["prefill_logits"],
                   decode_tokens=opts["decode_tokens"], speculative_tokens=opts["speculative_tokens"],
-                  mixed_tokens=opts["mixed_tokens"],
+                  mtp=opts["mtp"], mixed_tokens=opts["mixed_tokens"],
                   prefix_cache=opts["prefix_cache"], out_nodes=opts["out_nodes"],
                   input_format=opts["input_format"], quant_type=opts["quant_type"], group_size=opts["group_size"],
                   quant_exclude=opts["quant_exclude"], quant_strict=opts["quant_strict"],

@@ -245,9 +245,10 @@ def _parse_ids(text: str) -> list[int]:
 def _speculative_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """generate's and serve's speculative-decoding flags (docs/serving.md)."""
     options = [
-        click.option("--speculative", type=click.Choice(["ngram", "draft", "off"]), default=None,
+        click.option("--speculative", type=click.Choice(["ngram", "draft", "mtp", "off"]), default=None,
                      help="Speculative decoding where the .om has a verify program (--speculative_tokens): n-gram "
-                          "prompt lookup (the default), or a draft model (--draft; the default where one is given); "
+                          "prompt lookup, a draft model (--draft; the default where one is given) or the model's own MTP "
+                          "layer (a .om compiled with --mtp: the default there, else ngram); "
                           "switched off by itself while its drafts are not accepted."),
         click.option("--draft", "draft", default=None, metavar="OM",
                      help="A draft model's .om (the same vocabulary and slots) for --speculative draft."),
@@ -266,7 +267,7 @@ def _speculative_config(speculative: str | None, draft: str | None, ngram_min: i
     do not go together)."""
     from npuc.apps.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig(method=speculative or ("draft" if draft else "ngram"), ngram_min=ngram_min,
+    spec = SpeculativeConfig(method=speculative or ("draft" if draft else "auto"), ngram_min=ngram_min,
                              ngram_max=ngram_max)
     spec.check()
     if draft is not None and spec.method != "draft":

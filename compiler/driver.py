@@ -41,9 +41,10 @@ from npuc.compiler.flag_checks import (
 )
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.model_files import generation_meta, is_onnx, tokenizer_section
+from npuc.compiler.mtp import build_mtp_programs, check_mtp, mtp_pipelines, with_hidden
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
-from npuc.compiler.rope_scaling import at_cache_length, traceable
+from npuc.compiler.rope_scaling import at_cache_length, cache_length, traceable
 from npuc.compiler.shapes import resolve_input_shapes
 from npuc.compiler.torch_frontend import import_exported_program, unsupported_ops
 from npuc.compiler.weight_image import hashed_files, image_source
@@ -601,6 +602,7 @@ def compile_model(
     prefill_logits: str | None = None,
     decode_tokens: int | None = None,
     speculative_tokens: int | None = None,
+    mtp: bool = False,
     mixed_tokens: int | None = None,
     prefix_cache: int | None = None,
     quant_type: str | None = None,
@@ -638,7 +640,9 @@ def compile_model(
     `quant_strict` refuses a weight the group does not fit instead of storing it in int8.
     `speculative_tokens` K (with `max_seq_len`) adds a third program, `verify`: K + 1 tokens
     of each slot a step, every row's logits (speculative decoding's check of K drafted
-    tokens, and prompt chunks after a prefix-cache hit: apps/speculative.py).
+    tokens, and prompt chunks after a prefix-cache hit: apps/speculative.py). `mtp` (with it)
+    compiles the checkpoint's multi-token-prediction layer as three draft programs beside them
+    (compiler/mtp.py).
     `mixed_tokens` C (with `max_seq_len`) adds the `mixed` program: B + C rows a step (B the
     slots), each of its own slot at its own position (a `slot` input [B + C]), every row's
     logits: each decoding slot's token beside a prompt's next C tokens (apps/scheduler.py).
@@ -667,6 +671,7 @@ def compile_model(
     check_max_seq_len(max_seq_len)
     check_decode_tokens(decode_tokens, max_seq_len)
     check_speculative_tokens(speculative_tokens, max_seq_len, tp)
+    check_mtp(mtp, speculative_tokens, tp)
     check_mixed_tokens(mixed_tokens, max_seq_len, tp)
     check_prefix_cache(prefix_cache, max_seq_len, tp)
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)
@@ -706,11 +711,17 @@ def compile_model(
                                                        trust_pickle=trust_pickle, one_sequence=True,
                                                        decode_tokens=max(tables.slots, 1) + mixed_tokens)[1:3]
             mixed_tables = dataclasses.replace(mixed_tables, mixed=True)
+        if mtp:  # the checkpoint's MTP layer, at the prompt's, one and K + 1 rows a slot
+            with cache_length(max_seq_len):
+                mtp_progs = build_mtp_programs(model, tables.slots, _token_ids(graph, max_seq_len).type.shape[1],
+                                               (speculative_tokens or 0) + 1, max_seq_len, DECODE_TRACE_POSITION,
+                                               lambda m, shapes, fixed: _import(m, _export(m, dict(shapes), fixed)),
+                                               _rope_tables)
     select_outputs(graph, out_nodes)
     check_input_layout(graph, input_format)
     meta = _metadata(source, target.name, input_shape=input_shape, precision_mode=mode, keep_dtype=keep,
                      max_seq_len=max_seq_len, decode_tokens=decode_tokens, soc_version=soc_version,
-                     speculative_tokens=speculative_tokens, mixed_tokens=mixed_tokens, prefix_cache=prefix_cache,
+                     speculative_tokens=speculative_tokens, mtp=mtp or None, mixed_tokens=mixed_tokens, prefix_cache=prefix_cache,
                      out_nodes=out_nodes, quant_type=quant_type,
                      group_size=quant[1] if quant else None,
                      kv_cache_dtype=KV_CACHE_DTYPE_NAMES[kv_dtype] if kv_dtype is not None else None,
@@ -723,6 +734,12 @@ def compile_model(
         passes, decode_passes, *more = pipelines(mode, keep, target, max_seq_len, tables, prefill_logits, quantize,
                                                  kv_dtype, verify_tables if speculative_tokens else None,
                                                  mixed_tables if mixed_tokens else None)
+        if mtp:  # the main programs return their hidden state; the MTP programs' passes
+            passes, decode_passes, *more = (with_hidden(p) for p in (passes, decode_passes, *more))
+            mtp_passes = mtp_pipelines(
+                mtp_progs, lambda kv: default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim, kv,
+                                                       quantize=quantize, quant_activations=target.quant_activations),
+                align_up(max_seq_len, target.matrix_tile), DECODE_TRACE_POSITION, kv_dtype)
         graph.name = "prefill"
         decode_graph.name = "decode"
         if speculative_tokens:
@@ -770,6 +787,11 @@ def compile_model(
             progress.stage("optimise mixed", len(mixed_passes))
             graphs.append(instrument.run_pipeline(mixed_graph, mixed_passes, verify_each=debug,
                                                   on_pass=progress.advance).graph)
+        if mtp:
+            for name, g in mtp_progs.graphs.items():
+                progress.stage(f"optimise {name}", len(mtp_passes[name]))
+                graphs.append(instrument.run_pipeline(g, mtp_passes[name], verify_each=debug,
+                                                      on_pass=progress.advance).graph)
     if time_passes:
         print(instrument.format_timings(run), file=sys.stderr)
     if report_path is not None:

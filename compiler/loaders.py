@@ -333,9 +333,11 @@ def give_storage(module: nn.Module, params: Mapping[int, nn.Parameter]) -> None:
                 mod._parameters[pname] = fresh[id(p)]
 
 
-def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
+def load_hf_dir(path: Path, config_file: Path | None = None, layers: int | None = None) -> LoadedModel:
     """A checkpoint folder, or with `config_file` that config alone (every weight an
-    AbsentSource: shapes and bytes for a plan, nothing to write)."""
+    AbsentSource: shapes and bytes for a plan, nothing to write). `layers`: build that many
+    decoder layers instead of the config's (compiler/mtp.py: the layer after the last is the
+    checkpoint's multi-token-prediction layer, stored as `model.layers.<num_hidden_layers>`)."""
     try:
         import transformers
     except ImportError:
@@ -347,6 +349,8 @@ def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
     except Exception as e:
         raise NpucError("NPUC-E0407", f"cannot read {str(where)!r}: {e}",
                         "the folder should come from save_pretrained", exit_code=EXIT_IO) from None
+    if layers is not None:
+        _set_layers(config, layers)
     # A quantized checkpoint (GPTQ, AWQ) is built as its float model, whose linears' weights
     # are then found as packed tensors (compiler/quant_import.py): transformers could only
     # build its quantized layers with optimum or gptqmodel, and npuc needs none of them.
@@ -445,6 +449,16 @@ def load_hf_dir(path: Path, config_file: Path | None = None) -> LoadedModel:
     files = [str(where)] + sorted({f for f, _ in index.values()})
     dtypes = {n: torch.int64 for n in _INT_INPUTS}
     return LoadedModel(module, "hf", {"use_cache": False}, sources, dtypes, files)
+
+
+def _set_layers(config: Any, layers: int) -> None:
+    """num_hidden_layers = layers, a per-layer list of the config (layer types) extended by
+    repeating its last entry."""
+    old = config.num_hidden_layers
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == old and old > 0 and key.endswith("layer_types"):
+            setattr(config, key, [*value, *[value[-1]] * (layers - old)])
+    config.num_hidden_layers = layers
 
 
 def declared_inputs(loaded: LoadedModel) -> dict[str, DeclaredInput]:

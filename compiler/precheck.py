@@ -30,6 +30,7 @@ from npuc.compiler.flag_checks import (
     check_prefix_cache,
     check_speculative_tokens,
 )
+from npuc.compiler.mtp import check_mtp, mtp_layer
 from npuc.compiler.rope_scaling import cache_length
 from npuc.errors import NpucError
 from npuc.ir import Graph
@@ -72,7 +73,7 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
              quant_strict: bool = False, trust_pickle: bool = False,
              decode_tokens: int | None = None, kv_cache_dtype: str | None = None,
              speculative_tokens: int | None = None, prefix_cache: int | None = None,
-             mixed_tokens: int | None = None) -> PrecheckReport:
+             mixed_tokens: int | None = None, mtp: bool = False) -> PrecheckReport:
     report = PrecheckReport(os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
     seen: set[tuple[str, str]] = set()
 
@@ -93,6 +94,9 @@ def precheck(model: Any, *, input_shape: Any = None, soc_version: str | None = N
     attempt("decode_tokens", lambda: check_decode_tokens(decode_tokens, max_seq_len), None)
     attempt("speculative_tokens", lambda: check_speculative_tokens(speculative_tokens, max_seq_len), None)
     attempt("prefix_cache", lambda: check_prefix_cache(prefix_cache, max_seq_len), None)
+    attempt("mtp", lambda: check_mtp(mtp, speculative_tokens), None)
+    if mtp:
+        attempt("mtp layer", lambda: mtp_layer(model), None)
     attempt("mixed_tokens", lambda: check_mixed_tokens(mixed_tokens, max_seq_len), None)
     rows = attempt("prefill_logits", lambda: check_prefill_logits(prefill_logits, max_seq_len), None)
     quant = attempt("quantization", lambda: check_quant(quant_type, group_size), None)

@@ -203,6 +203,10 @@ class KVCache(Pass):
     # input [rows]) at its own position (`position` [1, rows]): the decoding slots' tokens
     # and an admitted prompt's chunk in one step (apps/scheduler.py).
     mixed: bool = False
+    # What the state names begin with: "" for the model's own caches, "mtp." for the layer a
+    # multi-token-prediction program caches beside them in the same state region
+    # (compiler/mtp.py), whose attention is also numbered from 0.
+    prefix: str = ""
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -392,7 +396,7 @@ class KVCache(Pass):
             n.set_attrs(alibi=alibi)
         if window and self.role == "prefill":
             n.set_attrs(window=window)
-        written = [self._write(g, f"kv_cache.{i}.{kind}", x, pos, n, None if latent else self.cache_dtype)
+        written = [self._write(g, f"{self.prefix}kv_cache.{i}.{kind}", x, pos, n, None if latent else self.cache_dtype)
                    for kind, x in rows]
         if self.role == "decode":  # attend over the cache, query i at position[i]
             if latent:

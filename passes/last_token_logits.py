@@ -137,6 +137,15 @@ def _trace(out: Value, b: int, s: int) -> _Chain | str:
     return _Chain(x, chain + after[::-1])
 
 
+def lm_head_input(out: Value, b: int, s: int) -> Value | str:
+    """The [b, s, H] value read by the LM head that computes `out` (after the final norm), or
+    why no LM head does (passes/expose_hidden.py)."""
+    chain = _trace(out, b, s)
+    if isinstance(chain, str):
+        return chain
+    return next(n for n, _ in chain.nodes if _head(n, b, s)).inputs[0]
+
+
 def _refuse(msg: str) -> NpucError:
     return NpucError("NPUC-E0129", f"--prefill_logits last: {msg}",
                      "compile with --prefill_logits all (every row's logits, as the model computes them)",
