@@ -65,6 +65,7 @@ from npuc.apps.speculative import (
     SpeculationStats,
     SpeculativeConfig,
     StepTimes,
+    cost_average,
 )
 from npuc.errors import EXIT_USAGE, NpucError
 
@@ -151,6 +152,7 @@ class Scheduler:
         # A draft model (apps/draft_model.py) where the method is "draft": its session, checked
         self._draft: DraftModel | MTPDrafter | None = None
         self._draft_time: float | None = None  # seconds of drafting a verify step (moving average)
+        self._drafted = False  # a proposal was made (the first is not timed)
         # The model's own MTP layer (apps/mtp_draft.py) where the method is "mtp": it keeps the
         # hidden states each step returns
         self._mtp: MTPDrafter | None = None
@@ -393,13 +395,15 @@ class Scheduler:
         if not self._can_verify:
             return "decode"
         info, k_max = self.info, self._k
+        calibrating = self._times.decode is None  # no drafts before plain decode's cost is measured
         plain = speculated = 0.0
         drafts: dict[int, list[int]] = {}
-        wants: dict[int, tuple[list[int], int]] = {}  # a draft model's: each slot's sequence and room
+        wants: dict[int, tuple[Request, int]] = {}  # a drafter's (draft model, MTP): each slot's request and room
         for k, r in enumerate(self._running):
             if r is None:
                 continue
-            if len(r.feed) != 1 or r.spec is None or not self._spec_on or (r.prompt_logprobs and r.pos < len(r.prompt)):
+            if len(r.feed) != 1 or r.spec is None or not self._spec_on or calibrating or (
+                    r.prompt_logprobs and r.pos < len(r.prompt)):
                 plain += min(self.tokens, len(r.feed))  # a prompt's tokens fed a step
                 speculated += min(self._vrows, len(r.feed))
                 continue
@@ -407,7 +411,7 @@ class Scheduler:
             if self._draft is not None:  # drafted below, once verify is chosen: expect a full draft
                 plain += 1
                 if room > 0:
-                    wants[k] = ([*r.prompt, *r.tokens], room)
+                    wants[k] = (r, room)
                     speculated += 1 + r.spec.expected(room)
                 else:
                     speculated += 1
@@ -433,10 +437,14 @@ class Scheduler:
             return "decode"
         if self._draft is not None:
             start = time.perf_counter()
-            drafts = {k: d for k, d in self._draft.propose(wants).items() if d}
-            # a drafter's catch-up on a whole prompt is paid once a request, not each step
+            seqs = {k: ([*r.prompt, *r.tokens], room) for k, (r, room) in wants.items()}
+            drafts = {k: d for k, d in self._draft.propose(seqs).items() if d}
+            # a drafter's catch-up on a whole prompt is paid once a request, not each step; its
+            # first proposal (its programs' first runs) is not counted, as a program's first step
             took = time.perf_counter() - start - getattr(self._draft, "prefill_seconds", 0.0)
-            self._draft_time = took if self._draft_time is None else self._draft_time + 0.2 * (took - self._draft_time)
+            if self._drafted:
+                self._draft_time = cost_average(self._draft_time, took)
+            self._drafted = True
             if not drafts:
                 return "decode"
         self._drafts = drafts

@@ -156,9 +156,22 @@ class SpeculationStats:
                 "tokens": self.tokens, "tokens_per_step": round(self.tokens_per_step, 4)}
 
 
+def cost_average(old: float | None, seconds: float) -> float:
+    """A moving average of a step's cost that follows a faster step at once (rate 0.5) and a
+    slower one slowly (0.2): a program's time is a floor plus the host's spikes, and its first
+    runs, still touching their memory, are the slow ones."""
+    if old is None:
+        return seconds
+    return old + (0.5 if seconds < old else 0.2) * (seconds - old)
+
+
 class StepTimes:
-    """Moving averages of the two programs' step times, which decide whether verify pays. A
-    program's first run (which touches its arena and packs its weights) is not counted."""
+    """Moving averages of the two programs' step times (cost_average), which decide whether
+    verify pays. A program's first WARM_RUNS runs (which touch its arena and pack its weights,
+    and run slow for a step or two more) are not counted; the scheduler drafts nothing until
+    decode's time is known (a drafter's cost is counted in decode steps)."""
+
+    WARM_RUNS = 2
 
     # Plain steps with drafts after which verify is run again to re-measure it, whatever the
     # estimate says (a stale or unlucky measurement must not switch speculation off for good);
@@ -172,7 +185,7 @@ class StepTimes:
     def __init__(self) -> None:
         self.decode: float | None = None
         self.verify: float | None = None
-        self._ran: set[str] = set()
+        self._ran: dict[str, int] = {}
         self.since_verify = 0
         self.probe_every = self.PROBE_EVERY
         self._probed = False  # the last step was a probe
@@ -193,11 +206,11 @@ class StepTimes:
 
     def add(self, program: str, seconds: float) -> None:
         self.since_verify = 0 if program == VERIFY else self.since_verify + 1
-        if program not in self._ran:
-            self._ran.add(program)
+        self._ran[program] = self._ran.get(program, 0) + 1
+        if self._ran[program] <= self.WARM_RUNS:
             return
         old = self.verify if program == VERIFY else self.decode
-        new = seconds if old is None else old + 0.2 * (seconds - old)
+        new = cost_average(old, seconds)
         if program == VERIFY:
             self.verify = new
         else:

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 from hf_models import GEN_ARCHS, save_checkpoint
+from program_log import record_programs
 
 from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, verify_draft
 from npuc.apps.scheduler import Scheduler
-from npuc.apps.speculative import VERIFY, NgramIndex, SpeculativeConfig, StepTimes
+from npuc.apps.speculative import VERIFY, NgramIndex, SpeculativeConfig, StepTimes, cost_average
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
@@ -180,6 +181,32 @@ def test_probes_back_off_while_they_fail() -> None:
     times.chose(False, False)
     times.admitted()
     assert times.probe_every == first
+
+
+def test_step_costs_follow_a_faster_step_at_once() -> None:
+    """A program's first WARM_RUNS runs are not counted; then a faster step moves the estimate
+    half way, a slower one a fifth of the way."""
+    times = StepTimes()
+    for _ in range(StepTimes.WARM_RUNS):
+        times.add("decode", 1.0)
+    assert times.decode is None
+    times.add("decode", 0.010)
+    times.add("decode", 0.006)
+    assert times.decode == pytest.approx(0.008)
+    times.add("decode", 0.018)
+    assert times.decode == pytest.approx(0.010)
+    assert cost_average(None, 0.5) == 0.5
+
+
+def test_nothing_is_drafted_before_decode_is_timed(spec_models: dict[str, Path]) -> None:
+    """A scheduler's first steps run plain decode, whatever the drafts: the cost a drafter's
+    tokens are weighed against is unknown until then."""
+    s = Session.load(str(spec_models["llama"]), use_native=False)
+    ran = record_programs(s)
+    _run(s, [PROMPTS[0][:8]], ALWAYS, n=16)  # within the prefill: no prompt left to feed
+    steps = [p for p in ran if p != "prefill"]
+    assert steps[:StepTimes.WARM_RUNS + 1] == ["decode"] * (StepTimes.WARM_RUNS + 1)
+    assert VERIFY in steps
 
 
 @pytest.mark.parametrize("kwargs,text", [
