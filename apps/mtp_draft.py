@@ -69,6 +69,13 @@ class MTPDrafter:
         self._vrows = program_rows(s, MTP_VERIFY, info.ids_name)
         self._plen = program_rows(s, MTP_PREFILL, info.ids_name)
         self._slotted = SLOT in {t.name for t in s.programs[MTP_PREFILL].inputs}
+        want = {MTP_DECODE: (slots, 1), MTP_VERIFY: (slots, self._vrows), MTP_PREFILL: (1, self._plen)}
+        for name, (b, rows) in want.items():
+            shapes = {t.name: tuple(int(d) for d in t.shape) for t in s.programs[name].inputs}
+            if shapes.get(info.ids_name) != (b, rows) or shapes.get(HIDDEN) != (b, rows, width) or rows < 1:
+                raise NpucError("NPUC-E0163", f"--speculative mtp: the model's {name} program takes {shapes}, "
+                                f"not {b} x {rows} token ids and hidden states of {width}",
+                                "recompile the model with --mtp", exit_code=EXIT_USAGE)
         self.slots, n = slots, info.max_seq_len
         self.hidden = np.zeros((slots, n, width), dtype=np.float32)  # the main model's, by slot and position
         self._pool = np.zeros((prefix_entries, n, width), dtype=np.float32)

@@ -41,7 +41,7 @@ from npuc.compiler.flag_checks import (
 )
 from npuc.compiler.loaders import LoadedModel, declared_inputs, load_source, program_inputs
 from npuc.compiler.model_files import generation_meta, is_onnx, tokenizer_section
-from npuc.compiler.mtp import build_mtp_programs, check_mtp, mtp_pipelines, with_hidden
+from npuc.compiler.mtp import build_mtp_programs, check_mtp, mtp_layer, mtp_pipelines, with_hidden
 from npuc.compiler.progress import NullProgress, Progress
 from npuc.compiler.recurrent import recurrences_as_ops
 from npuc.compiler.rope_scaling import at_cache_length, cache_length, traceable
@@ -672,6 +672,8 @@ def compile_model(
     check_decode_tokens(decode_tokens, max_seq_len)
     check_speculative_tokens(speculative_tokens, max_seq_len, tp)
     check_mtp(mtp, speculative_tokens, tp)
+    if mtp:
+        mtp_layer(model)  # the checkpoint's config and index: refused before anything is traced
     check_mixed_tokens(mixed_tokens, max_seq_len, tp)
     check_prefix_cache(prefix_cache, max_seq_len, tp)
     prefill_logits = check_prefill_logits(prefill_logits, max_seq_len)

@@ -23,6 +23,8 @@ def save_mtp_checkpoint(arch: str, path: str, seed: int = 0) -> None:
     config = make_config(arch)
     layers = config.num_hidden_layers
     config.num_hidden_layers = layers + 1
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry a layer (Qwen2's)
+        config.layer_types = [*config.layer_types, config.layer_types[-1]]
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
@@ -40,6 +42,8 @@ def save_mtp_checkpoint(arch: str, path: str, seed: int = 0) -> None:
     (Path(path) / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg = json.loads((Path(path) / "config.json").read_text())
     cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = layers, 1
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:layers]
     (Path(path) / "config.json").write_text(json.dumps(cfg))
 
 

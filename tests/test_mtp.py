@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hf_models import save_checkpoint
+from hf_models import GEN_ARCHS, save_checkpoint
 from mtp_checkpoint import ReferenceMTP, save_mtp_checkpoint
 from program_log import record_programs
 
@@ -32,11 +32,12 @@ PROMPTS = [[5, 17, 3, 99, 42, 5, 17, 3, 99, 42, 5, 17], [1, 15, 27, 100, 42, 7, 
 
 @pytest.fixture(scope="module")
 def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """(checkpoint, .om) of each architecture: DeepSeek-V3 (latent attention, a routed-expert
-    MTP layer), and Llama with a prefix pool and a mixed step."""
+    """(checkpoint, .om) of each test architecture: DeepSeek-V3 (latent attention, a routed-expert
+    MTP layer), Llama with a prefix pool and a mixed step, and the others (their own decoder
+    layer as the MTP layer's, as a checkpoint so laid out would have it)."""
     root = tmp_path_factory.mktemp("mtp")
     out = {}
-    for arch in ("deepseek_v3", "llama"):
+    for arch in GEN_ARCHS:
         save_mtp_checkpoint(arch, str(root / arch))
         om = compile_model(str(root / arch), input_shape=f"input_ids:2,{PREFILL}", max_seq_len=MAX_SEQ,
                            speculative_tokens=K, mtp=True, prefix_cache=2 if arch == "llama" else None,
@@ -144,8 +145,8 @@ def _run(s: Any, config: SpeculativeConfig, n: int = 30) -> tuple[list[list[int]
     return [sched.requests[i].tokens for i in ids], sched.stats
 
 
-@pytest.mark.parametrize("executor", [pytest.param("native", marks=native), "reference"])
-@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
+@pytest.mark.parametrize("arch,executor", [*[pytest.param(a, "native", marks=native) for a in GEN_ARCHS],
+                                           ("deepseek_v3", "reference"), ("llama", "reference")])
 def test_greedy_output_is_unchanged_by_mtp(arch: str, executor: str, mtp_models: dict[str, tuple[Path, Path]]) -> None:
     s = _session(mtp_models[arch][1], executor)
     plain, _ = _run(s, SpeculativeConfig(method="off"))
