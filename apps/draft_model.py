@@ -77,7 +77,7 @@ class DraftModel:
         """Prefill slot k with the prompt's head (the rest is caught up on when drafting),
         unless its cache already holds at least as much of it."""
         n = min(len(prompt), self.info.prefill_len)
-        if _common(self._seq[k], prompt) >= n:
+        if common_prefix(self._seq[k], prompt) >= n:
             return
         feeds, n = prefill_feeds(self.info, prompt, (self._prompt, self._last, self._slot), k if self._slotted else None)
         self.session.run(feeds, "prefill", copy_outputs=False)
@@ -88,7 +88,7 @@ class DraftModel:
         pending: dict[int, list[int]] = {}
         drafts: dict[int, list[int]] = {k: [] for k in wants}
         for k, (seq, _) in wants.items():
-            keep = min(_common(self._seq[k], seq), len(seq) - 1)  # the last token is always fed: its logits
+            keep = min(common_prefix(self._seq[k], seq), len(seq) - 1)  # the last token is always fed: its logits
             del self._seq[k][keep:]
             pending[k] = list(seq[keep:])
         while any(pending.values()):
@@ -122,5 +122,6 @@ class DraftModel:
         return drafts
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the prefix a and b share."""
     return len(os.path.commonprefix([a, b]))  # works on any sequences

@@ -31,12 +31,12 @@ sampling of apps/sampling.verify_draft) leaves its output unchanged.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 
+from npuc.apps.draft_model import common_prefix
 from npuc.apps.generate import SLOT, generation_info, logits_f32, program_rows
 from npuc.errors import EXIT_USAGE, NpucError
 
@@ -95,7 +95,7 @@ class MTPDrafter:
 
     def admit(self, k: int, prompt: list[int]) -> None:
         """A new request in slot k: what its cache holds stays counted as far as the prompt agrees."""
-        del self._seq[k][_common(self._seq[k], prompt):]
+        del self._seq[k][common_prefix(self._seq[k], prompt):]
 
     def _prefill(self, k: int, seq: list[int], m: int) -> None:
         """Slot k's MTP rows 0..m-1 (m <= the prefill's length) in one `mtp_prefill`, from the
@@ -140,7 +140,7 @@ class MTPDrafter:
         drafts: dict[int, list[int]] = {k: [] for k in wants}
         for k, (seq, _) in wants.items():
             rows = len(seq) - 1  # positions 0..N-2: token p + 1 with hidden state p
-            keep = max(min(_common(self._seq[k], seq) - 1, rows - 1), 0)  # the last row is always fed
+            keep = max(min(common_prefix(self._seq[k], seq) - 1, rows - 1), 0)  # the last row is always fed
             if rows - keep > self._vrows and keep < self._plen:  # a prompt, or a long stretch without drafts
                 m = min(rows, self._plen)
                 self._prefill(k, seq, m)
@@ -178,6 +178,3 @@ class MTPDrafter:
                         pending[k].append((token, int(pos[k, row]) + 1, chain[k, row].copy()))
         return drafts
 
-
-def _common(a: list[int], b: list[int]) -> int:
-    return len(os.path.commonprefix([a, b]))

@@ -423,9 +423,9 @@ class Scheduler:
                 drafts[k] = d
         probe = bool(drafts or wants) and self._times.probe_due()
         ratio = self._times.ratio()
-        step = self._times.decode_step()
-        if self._draft is not None and self._draft_time is not None and step:
-            ratio += self._draft_time / step  # drafting's cost, in decode steps
+        if self._draft is not None and self._draft_time is not None and self._times.decode:
+            # drafting's cost, in decode steps (nothing is drafted before decode is timed)
+            ratio += self._draft_time / self._times.decode
         pays = speculated > plain and speculated / ratio >= plain * self.speculative.min_gain
         if drafts or wants:
             self._times.chose(pays or probe, not pays)

@@ -222,10 +222,3 @@ class StepTimes:
             return 1.5
         return self.verify / self.decode
 
-    def decode_step(self) -> float | None:
-        """decode's step time, or until it ran, verify's over the guessed ratio (a drafter's
-        cost is counted in decode steps from the first verify step on: a run that drafts from
-        the start never measures decode)."""
-        if self.decode is not None and self.decode > 0:
-            return self.decode
-        return self.verify / self.ratio() if self.verify is not None else None

@@ -75,6 +75,11 @@ def _refuse(why: str, hint: str, code: int = EXIT_UNSUPPORTED) -> NpucError:
 def mtp_layer(model: Any) -> int:
     """L, the index of the checkpoint's MTP layer (`model.layers.<L>`, L = num_hidden_layers),
     refused (NPUC-E0164) where `model` is not a Hugging Face folder holding one."""
+    return _find_layer(model)[0]
+
+
+def _find_layer(model: Any) -> tuple[int, dict[str, Any]]:
+    """mtp_layer's L, and the checkpoint's safetensors index it read."""
     if isinstance(model, (nn.Module, torch.export.ExportedProgram)) or not os.path.isdir(os.fspath(model)):
         raise _refuse("needs a Hugging Face checkpoint folder (the MTP layer's weights are read from its "
                       "safetensors)", "compile the checkpoint folder, or leave --mtp out", EXIT_USAGE)
@@ -91,7 +96,7 @@ def mtp_layer(model: Any) -> int:
         raise _refuse(f"the checkpoint has no multi-token-prediction layer ({missing[0]} is not in its safetensors; "
                       f"num_nextn_predict_layers is {config.get('num_nextn_predict_layers', 0)})",
                       "compile a checkpoint that keeps its MTP weights (DeepSeek-V3, GLM-4.5), or leave --mtp out")
-    return layers
+    return layers, index
 
 
 class MTPModule(nn.Module):
@@ -119,7 +124,7 @@ class MTPModule(nn.Module):
 def load_mtp(model: Any) -> tuple[LoadedModel, int]:
     """The MTP module over the checkpoint `model`, its weights found as load_hf_dir finds the
     model's (shared by name), and its hidden size."""
-    layer = mtp_layer(model)
+    layer, index = _find_layer(model)
     path = Path(os.fspath(model))
     loaded = load_hf_dir(path, layers=layer + 1)
     lm: Any = loaded.module
@@ -137,9 +142,7 @@ def load_mtp(model: Any) -> tuple[LoadedModel, int]:
         block.shared_head.head = nn.Linear(hidden, int(config.vocab_size), bias=False)
     extra = nn.ModuleDict({"enorm": block.enorm, "hnorm": block.hnorm, "eh_proj": block.eh_proj,
                            "shared_head": block.shared_head})
-    owners, params = parameter_owners(extra)
-    give_storage(extra, params)
-    index = _safetensors_index(path)
+    give_storage(extra, parameter_owners(extra)[1])
     dtype = next(p.dtype for p in lm.model.embed_tokens.parameters())
     for name, p in extra.named_parameters():
         key = f"model.layers.{layer}.{name}"
@@ -148,7 +151,6 @@ def load_mtp(model: Any) -> tuple[LoadedModel, int]:
             raise _refuse(f"{os.path.basename(file)}:{key} is stored as {list(layout[1])}; the config makes it "
                           f"{list(p.shape)}", "the checkpoint does not match its config.json")
         loaded.sources[key] = SafetensorsSource(file, key, dtype, layout)
-    del owners
     mtp = MTPModule(lm, layer).eval()
     return LoadedModel(mtp, "hf", {}, loaded.sources, {"input_ids": torch.int64, HIDDEN: dtype},
                        loaded.files), hidden
