@@ -48,6 +48,9 @@ class GenerationInfo:
     # the model keeps recurrent state per slot (metadata recurrent_state): a slot's state is
     # reset by a prefill only, so a prompt never starts in a slot through the decode steps
     recurrent: bool = False
+    # its verify program keeps the recurrent states after each row (metadata recurrent_rollback):
+    # a rejected draft is undone by Session.rollback
+    rollback: bool = False
 
 
 def _vocab(s: Session | NativeSession, ids_name: str) -> int:
@@ -82,8 +85,9 @@ def generation_info(s: Session | NativeSession) -> GenerationInfo:
             ids = next(t for t in s.programs["prefill"].inputs if t.name not in (LAST_TOKEN, "slot"))
             takes, last = _last_row(s)
             return GenerationInfo(g.max_seq_len, g.prefill_len, ids.shape[0], g.eos, ids.name, g.vocab, last, takes,
-                                  bool(s.metadata("recurrent_state")))
-        meta = {k: v for k in ("max_seq_len", "eos_token_id", "recurrent_state") if (v := s.metadata(k)) is not None}
+                                  bool(s.metadata("recurrent_state")), bool(s.metadata("recurrent_rollback")))
+        meta = {k: v for k in ("max_seq_len", "eos_token_id", "recurrent_state", "recurrent_rollback")
+                if (v := s.metadata(k)) is not None}
     else:
         meta = {m.key: m.value for m in s.model.metadata}
     if "prefill" not in s.programs or "decode" not in s.programs or "max_seq_len" not in meta:
@@ -93,7 +97,7 @@ def generation_info(s: Session | NativeSession) -> GenerationInfo:
     eos = frozenset(int(t) for t in meta.get("eos_token_id", "").split(",") if t)
     takes, last = _last_row(s)
     return GenerationInfo(int(meta["max_seq_len"]), ids.shape[1], ids.shape[0], eos, ids.name, _vocab(s, ids.name),
-                          last, takes, bool(meta.get("recurrent_state")))
+                          last, takes, bool(meta.get("recurrent_state")), bool(meta.get("recurrent_rollback")))
 
 
 def program_rows(s: Session | NativeSession, program: str, ids_name: str) -> int:

@@ -139,8 +139,11 @@ class Scheduler:
         self.stats = SpeculationStats()
         self._times = StepTimes()
         self._vrows = program_rows(s, VERIFY, self._ids_name)
-        # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not
-        self._can_verify = self._vrows > 1 and not self.info.recurrent
+        # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not.
+        # A recurrent model's verify keeps its states after each row: a slot whose rows were not
+        # all kept has its states rolled back to its last kept row (Session.rollback)
+        self._rollback = self.info.recurrent and self.info.rollback
+        self._can_verify = self._vrows > 1 and (not self.info.recurrent or self._rollback)
         method = self.speculative.method
         if method == "auto":  # the model's own MTP layer where it has one, else n-grams
             method = "mtp" if has_mtp(s) else "ngram"
@@ -309,12 +312,17 @@ class Scheduler:
                     and program != VERIFY:
                 n = 1
             seq = [*r.feed[:n], *self._drafts.get(k, ())] if r is not None else [0]
+            # (a recurrent model's rows past its last go on to the next positions: they advance
+            # the states, which the rollback undoes, and at the last's position they would write
+            # over its key and value with ones computed from the advanced states)
+            ahead = self._rollback and program == VERIFY
             for i in range(c):
                 j = min(i, len(seq) - 1)
                 ids[k, i] = seq[j]
-                pos[k, i] = r.pos + j if r is not None else 0
+                pos[k, i] = 0 if r is None else min(r.pos + i, self.info.max_seq_len - 1) if ahead else r.pos + j
             self._fed[k] = n
         start = time.perf_counter()
+        ran = {k: (r, r.pos) for k, r in enumerate(self._running) if r is not None}
         out = self.session.run({self._ids_name: ids, self._pos_name: pos_in}, program, copy_outputs=False)
         logits = logits_f32(out["logits"])
         if self._mtp is not None:
@@ -339,6 +347,10 @@ class Scheduler:
                 self._choose(r, logits[k, n - 1 if every_row else -1], events)
             self.stats.tokens += len(r.tokens) - before
         self._drafts.clear()
+        if program == VERIFY and self._rollback:
+            for k, (r, at) in ran.items():  # rows 0..kept-1 are the sequence's, the rest undone
+                if self._running[k] is r and r.pos - at < c:
+                    self.session.rollback(k, r.pos - at - 1)
         return events
 
     def _mixed_step(self, events: list[Event]) -> None:

@@ -19,8 +19,10 @@ the logits a plain decode would have computed for it.
 
 Rollback is free: a rejected draft's key and value stay in the cache past the slot's position,
 where no query reads them (each row attends to positions up to its own), and the next step
-writes over them. A model with recurrent state (whose state a rejected draft would have
-advanced) gets no `verify` program: compiling one is refused.
+writes over them. A model with recurrent state, whose state a rejected draft has advanced,
+keeps its states after each verify row (passes/recurrent_state.py): the scheduler copies a
+slot's back from its last kept row (Session.rollback), one state a layer whatever the
+sequence's length, and pads a slot's rows at the positions after its last.
 
 Drafters:
 - n-gram (prompt lookup): the sequence's own tokens. The last n tokens (n from `ngram_max`

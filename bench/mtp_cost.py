@@ -17,6 +17,13 @@ right, so a model whose MTP layer is random (bench/run.py's 125M Llama with one 
 measures the costs, and a trained one (bench/train_stdlib_mtp.py: 0.62 held-out top-1, 0.99
 on greedy held-out text) says what acceptance to expect. It leaves out the scheduler's own
 work (Python), which bench/speculative.py's end-to-end runs include.
+
+A `.om` without MTP programs (compiled with --speculative_tokens alone) is timed the same
+way with n-gram drafting, which costs nothing. Where the model keeps recurrent state, a step
+that does not keep all its rows also rolls the slot's states back (Session.rollback: one
+copy of each state), timed on slot 0 and counted with chance 1 - a^K:
+
+    speed-up = (1 + a + ... + a^K) * decode / (verify + drafting + (1 - a^K) * rollback)
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ def main() -> None:
     os.environ.setdefault("NPUC_NUM_THREADS", str(args.threads))
     import numpy as np
 
+    from npuc.apps.generate import generation_info
     from npuc.runtime.executor import open_session
 
     s = open_session(args.om)
-    programs = ("decode", "verify", "mtp", "mtp_verify")
+    mtp = "mtp" in s.programs
+    rollback = generation_info(s).rollback  # a recurrent model's states kept by verify row
+    programs = ("decode", "verify", "mtp", "mtp_verify") if mtp else ("decode", "verify")
     feeds = {}
     for name in programs:
         p = s.programs[name]
@@ -65,13 +75,18 @@ def main() -> None:
             t = time.perf_counter()
             s.run(feeds[name], name, copy_outputs=False)
             times[name].append(time.perf_counter() - t)
+        if rollback:
+            t = time.perf_counter()
+            s.rollback(0, 0)
+            times.setdefault("rollback", []).append(time.perf_counter() - t)
     ms = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-    draft = ms["mtp_verify"] + (k - 1) * ms["mtp"]
+    draft = ms["mtp_verify"] + (k - 1) * ms["mtp"] if mtp else 0.0
     rows = []
     for a in (float(x) for x in args.acceptance.split(",")):
         tokens = sum(a ** i for i in range(k + 1))
+        cost = ms["verify"] + draft + (1 - a ** k) * ms.get("rollback", 0.0)
         rows.append({"acceptance": a, "tokens_per_step": round(tokens, 3),
-                     "speed_up": round(tokens * ms["decode"] / (ms["verify"] + draft), 3)})
+                     "speed_up": round(tokens * ms["decode"] / cost, 3)})
     print(json.dumps({"k": k, "step_ms": {n: round(v, 3) for n, v in ms.items()}, "draft_ms": round(draft, 3),
                       "verify_over_decode": round(ms["verify"] / ms["decode"], 3),
                       "draft_over_decode": round(draft / ms["decode"], 3), "modelled": rows}))

@@ -60,7 +60,7 @@ from npuc.passes.mask_analysis import mask_window_of
 from npuc.passes.pipeline import default_pipeline, rope_table_pipeline
 from npuc.passes.precision import check_mode
 from npuc.passes.quantize import Quantize, check_quant
-from npuc.passes.recurrent_state import STATE_PREFIXES, has_recurrent_state
+from npuc.passes.recurrent_state import BY_ROW, STATE_PREFIXES, has_recurrent_state
 
 log = logging.getLogger("npuc")
 
@@ -708,6 +708,7 @@ def compile_model(
             verify_graph, verify_tables = build_programs(model, input_shape, input_dtypes, max_seq_len,
                                                          trust_pickle=trust_pickle,
                                                          decode_tokens=speculative_tokens + 1)[1:3]
+            verify_tables = dataclasses.replace(verify_tables, by_row=True)  # a recurrent state's rollback
         if mixed_tokens:  # the decode program again, at batch 1: a row for each slot and the prompt's C
             mixed_graph, mixed_tables = build_programs(model, input_shape, input_dtypes, max_seq_len,
                                                        trust_pickle=trust_pickle, one_sequence=True,
@@ -785,6 +786,8 @@ def compile_model(
             progress.stage("optimise verify", len(verify_passes))
             graphs.append(instrument.run_pipeline(verify_graph, verify_passes, verify_each=debug,
                                                   on_pass=progress.advance).graph)
+            if by_row := sorted(n for n in graphs[-1].states if n.endswith(BY_ROW)):
+                meta["recurrent_rollback"] = ",".join(by_row)  # apps/scheduler.py undoes a rejected draft
         if mixed_tokens:
             progress.stage("optimise mixed", len(mixed_passes))
             graphs.append(instrument.run_pipeline(mixed_graph, mixed_passes, verify_each=debug,
@@ -924,7 +927,7 @@ def pipelines(mode: str, keep: frozenset[str], target: Target, max_seq_len: int 
     return [default_pipeline(mode, keep, target.matrix_tile, target.max_head_dim,
                              KVCache(role, cache_len, t.tables, position, t.windows,
                                      t.decode_positions, t.layers, t.alibi, t.slots,
-                                     t.decode_tokens, kv_cache_dtype, t.mixed) if t else
+                                     t.decode_tokens, kv_cache_dtype, t.mixed, by_row=t.by_row) if t else
                              KVCache(role, cache_len, (), position, cache_dtype=kv_cache_dtype),
                              last if role == "prefill" else None,
                              quantize, quant_activations=target.quant_activations,

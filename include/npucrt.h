@@ -220,6 +220,15 @@ int npuc_sample_probs(const float *logits, int64_t vocab, const npuc_sampling *s
  * continues where `from` stands. */
 int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error *err);
 
+/* Undo a verify step's rows past `row` in `slot`'s recurrent states: each state the model keeps
+ * by verify row (`<state>.by_row`, a recurrent model compiled with --speculative_tokens K) gets
+ * its copy from after row `row` (0..K) of the last verify step, K + 1 tokens of each slot (row
+ * K, the last: nothing to undo, nothing copied). The
+ * slot's next step then continues from that row's token; the KV caches need nothing (their rows
+ * past it are never read, and written before any query does). NPUC_E_INPUT (108) for a model
+ * without such states, or a slot or row out of range; nothing is copied then. */
+int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error *err);
+
 /* The prefix pool (--prefix_cache P): P entries beside the slots in the state region, each
  * the first positions of every cache of one sequence (a prompt prefix). entries gets P (0:
  * no pool), bytes the pool's share of npuc_model_memory's state bytes. Either may be NULL. */

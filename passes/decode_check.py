@@ -204,7 +204,7 @@ class DecodeCheck(Pass):
         seq = p.tokens.shape[1]
         # With slots, decode runs every slot: the probe's sequence is slot 0 (what prefill filled)
         step = {v.name: v for v in g.inputs}
-        feeds = {**_zeros(g), **{n: t for n, t in p.states.items() if n in g.states},
+        feeds = {**_zeros(g), **{n: t.clone() for n, t in p.states.items() if n in g.states},
                  ids: p.tokens[:, -1:].expand(rows, 1).clone(),
                  "position": torch.full(step["position"].type.shape, seq - 1, dtype=torch.int64)}
         outs, _ = run_graph(g, feeds)
@@ -225,7 +225,9 @@ class DecodeCheck(Pass):
         if steps == 0:
             return self._last_step(g)
         shape = next(v for v in g.inputs if v.name == "position").type.shape
-        states, diff = {**_zeros(g), **{n: t for n, t in p.states.items() if n in g.states}}, 0.0
+        # copies: a stateful op updates its state in place, and the verify program is checked
+        # from the same states after decode
+        states, diff = {**_zeros(g), **{n: t.clone() for n, t in p.states.items() if n in g.states}}, 0.0
         for k in range(1, 1 + steps * c, c):
             pos = torch.arange(k, k + c, dtype=torch.int64).expand(rows, c).reshape(shape).clone()
             feeds = {**states, ids: p.tokens[:, k:k + c].expand(rows, c).clone(), "position": pos}

@@ -150,6 +150,9 @@ class LongTrace:
     # The mixed program (KVCache.mixed): the decode trace at batch 1 whose rows each name
     # their slot of the `slots` the cache holds.
     mixed: bool = False
+    # The verify program (KVCache.by_row): a decode of C tokens of each slot that keeps each
+    # recurrent state after each row, for the scheduler's rollback (passes/recurrent_state.py).
+    by_row: bool = False
     # The prefill program at a few tokens (the same trace), where the prefill is longer: what
     # the decode-check pass runs with the reference kernels instead of the whole prompt.
     probe: Any = field(default=None, compare=False)
@@ -207,6 +210,10 @@ class KVCache(Pass):
     # multi-token-prediction program caches beside them in the same state region
     # (compiler/mtp.py), whose attention is also numbered from 0.
     prefix: str = ""
+    # The verify program (role decode, C > 1 tokens of each slot): each recurrent state also
+    # kept after each row, `<state>.by_row`, so that a rejected draft is undone by copying one
+    # row back (passes/recurrent_state.py); without it such a decode beside a recurrence is refused.
+    by_row: bool = False
 
     def call(self, g: Graph) -> PassResult:
         convs = [n for n in g.nodes if n.op == "conv1d" and n.inputs[1].type.shape[2] > 1]
@@ -233,7 +240,11 @@ class KVCache(Pass):
                 raise _refuse("the model already has an input named 'position'")
             if seq != self.decode_tokens:
                 raise _refuse(f"the decode trace has {seq} query positions, not {self.decode_tokens}")
-            if seq > 1 and convs:
+            if seq > 1 and scans and not self.by_row:
+                raise _refuse("a decode step of several tokens beside a recurrent layer (a slot short of C tokens "
+                              "would advance its state over the tokens that pad it; only the verify program of "
+                              "--speculative_tokens keeps the states by row to undo that)")
+            if seq > 1 and convs and not scans:
                 raise _refuse("a decode step of several tokens beside a cached convolution (cached_conv1d "
                               "computes one token's window)")
             batch = self._batch(g, attn, convs, scans)
@@ -265,10 +276,7 @@ class KVCache(Pass):
                 slot = g.add_input(SLOT, TensorType((1,), DType.i64))
             pos = g.add_constant(f"positions_{seq}", TensorType((seq,), DType.i64),
                                  TensorSource(torch.arange(seq, dtype=torch.int64)))
-        if scans and seq > 1 and self.role == "decode":
-            raise _refuse("a decode step of several tokens beside a recurrent layer (a slot short of C tokens "
-                          "would advance its state over the tokens that pad it)")
-        recurrent = cache_recurrences(g, self.role, self.slots, slot)
+        recurrent = cache_recurrences(g, self.role, self.slots, slot, self.by_row)
         if self.windows and len(self.windows) != len(attn):
             raise _refuse(f"the model traced at the cache length has {len(self.windows)} attentions, "
                           f"this program {len(attn)}")
@@ -278,7 +286,7 @@ class KVCache(Pass):
             if recurrent:  # beside recurrent states, a window of the conv's last inputs (fixed size)
                 reads = self._causal_conv(n)
                 assert reads is not None  # checked above
-                conv_window(g, n, i, self.role, self.slots, slot, reads)
+                conv_window(g, n, i, self.role, self.slots, slot, reads, self.by_row)
             else:
                 self._conv(g, n, i, pos, seq)
         ropes = [n for n in g.nodes if n.op == "rope_lut"]
@@ -364,9 +372,14 @@ class KVCache(Pass):
         sinks = n.inputs[4:5] if not latent else []
         # A prefill mask must be none (or one that hides nothing: the slot before sinks); decode's
         # one-token trace masks its own key only, which the cache's positions replace.
-        if mask is not None and not ((self.role == "decode" or n.attrs.get("causal")) and self._hides_nothing(g, mask)):
+        # (a decode of C tokens of each slot whose mask the model computes from its position ids:
+        # causal among them, as the cache's positions make it)
+        causal_rows = self.role == "decode" and seq > 1 and mask is not None and not n.attrs.get("causal") \
+            and self._hides_nothing(g, mask, causal_rows=True)
+        if mask is not None and not causal_rows and not (
+                (self.role == "decode" or n.attrs.get("causal")) and self._hides_nothing(g, mask)):
             raise _refuse(f"attention {n.name} has a mask that is not the plain causal one")
-        if seq > 1 and not n.attrs.get("causal", False):
+        if seq > 1 and not n.attrs.get("causal", False) and not causal_rows:
             raise _refuse(f"attention {n.name} is not causal")
         window = int(n.attrs.get("window", 0))
         if self.windows and self.windows[i] != UNCHECKED:
@@ -417,10 +430,12 @@ class KVCache(Pass):
             g.replace_all_uses_with(n.outputs[0], new.outputs[0])
             g.remove_node(n)
 
-    def _hides_nothing(self, g: Graph, mask: Value) -> bool:
+    def _hides_nothing(self, g: Graph, mask: Value, causal_rows: bool = False) -> bool:
         """Whether the one-token trace's mask over its own key hides nothing: folded, or (a mask
-        the position ids input computes) evaluated at the position traced."""
-        if hides_nothing(mask):
+        the position ids input computes) evaluated at the position traced. `causal_rows`: whether
+        a trace of C > 1 tokens of each slot (the model's positions computing its mask) hides
+        exactly the later of them."""
+        if hides_nothing(mask) and not causal_rows:
             return True
         if not self.decode_positions:
             return False
@@ -429,14 +444,22 @@ class KVCache(Pass):
         if self.decode_tokens > 1:
             at = self.trace_position + torch.arange(self.decode_tokens).repeat(slots, 1)
         t = evaluate_value(g, mask, {"position": at}, max_bytes=1 << 20)
-        return t is not None and bool(t.all() if t.dtype == torch.bool else (t == 0).all())
+        if t is None:
+            return False
+        kept = t if t.dtype == torch.bool else t == 0
+        if causal_rows:  # C tokens of each slot a step: causal among them, what their positions give
+            c = self.decode_tokens
+            return t.dim() >= 2 and t.shape[-2:] == (c, c) and \
+                bool((kept == torch.ones((c, c), dtype=torch.bool).tril()).all())
+        return bool(kept.all())
 
     def _position_ids(self, g: Graph, pos: Value) -> None:
-        """The model's own position ids input [batch, 1] becomes the decode position (each
-        slot's, [slots, 1], with slots)."""
+        """The model's own position ids input [batch, C] becomes the decode position (each
+        slot's, [slots, C], with slots; C the tokens of each slot a step)."""
         ids = next((v for v in g.inputs if v.name == self.decode_positions), None)
-        if ids is None or ids.type.rank != 2 or ids.type.shape[1] != 1 or ids.type.dtype.is_float:
-            raise _refuse(f"the decode program has no position ids input {self.decode_positions!r} [batch, 1]")
+        c = self.decode_tokens
+        if ids is None or ids.type.rank != 2 or ids.type.shape[1] != c or ids.type.dtype.is_float:
+            raise _refuse(f"the decode program has no position ids input {self.decode_positions!r} [batch, {c}]")
         first = next(n for n in g.nodes if n is not pos.producer) if pos.producer is not None else g.nodes[0]
         v = pos
         if pos.type.rank == 1:

@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "npuc_decode_step": [P, P, P, P, P, P, E],
         "npuc_sampling_check": [P, I64, E],
         "npuc_session_copy_slot": [P, I32, I32, E],
+        "npuc_session_rollback": [P, I32, I32, E],
         "npuc_model_prefix_pool": [P, ctypes.POINTER(I32), ctypes.POINTER(U64), E],
         "npuc_session_prefix_save": [P, I32, I32, I64, E],
         "npuc_session_prefix_load": [P, I32, I32, I64, E],
@@ -274,6 +275,15 @@ class NativeSession:
         """Slot src's KV cache into slot dst (n > 1 continuations of one prefill)."""
         err = _Error()
         rc = self.lib.npuc_session_copy_slot(self._session, src, dst, ctypes.byref(err))
+        if rc:
+            _raise(err, rc)
+
+    def rollback(self, slot: int, row: int) -> None:
+        """Slot `slot`'s recurrent states as they were after row `row` of the last verify step
+        (npuc_session_rollback)."""
+        err = _Error()
+        slot, row = (max(min(int(x), 2**31 - 1), -(2**31)) for x in (slot, row))
+        rc = self.lib.npuc_session_rollback(self._session, slot, row, ctypes.byref(err))
         if rc:
             _raise(err, rc)
 

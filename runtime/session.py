@@ -28,6 +28,7 @@ from npuc.backend.om_format import OmFile
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
+from npuc.passes.recurrent_state import BY_ROW
 from npuc.runtime import native
 from npuc.runtime.launch import Bound, Launchers, tail_rows_read
 from npuc.runtime.om_validate import attr_value, position_rows, validate_model
@@ -186,6 +187,25 @@ class Session:
         for off, n in sorted(regions):
             row = n // slots
             self.state[off + dst * row:off + (dst + 1) * row] = self.state[off + src * row:off + (src + 1) * row]
+
+    def rollback(self, slot: int, row: int) -> None:
+        """Slot `slot`'s recurrent states as they were after row `row` of the last verify step:
+        each `<state>.by_row` [slots, 1, K, n] (passes/recurrent_state.py) gives its copy back,
+        row K (all kept) none (npuc_session_rollback's rule and refusals)."""
+        states = {t.name: i for i, t in enumerate(self.tensors) if t.region == "state"}
+        pairs = [(self.views[states[n[:-len(BY_ROW)]]], self.views[i]) for n, i in states.items()
+                 if n.endswith(BY_ROW) and n[:-len(BY_ROW)] in states]
+        if not pairs:
+            raise NpucError("NPUC-E0108", "the model keeps no recurrent state by verify row: there is nothing to "
+                            "roll back", "compile the model with --speculative_tokens K")
+        k = pairs[0][1].shape[2]  # the verify step's rows but its last (whose state is the state's own)
+        if not (0 <= slot < self._slots and 0 <= row <= k):
+            raise NpucError("NPUC-E0108", f"roll slot {slot} back to row {row}",
+                            f"slots are 0..{self._slots - 1}, rows 0..{k}")
+        if row == k:
+            return
+        for state, by_row in pairs:
+            state[slot].copy_(by_row[slot, 0, row].reshape(state.shape[1:]))
 
     @property
     def prefix_entries(self) -> int:

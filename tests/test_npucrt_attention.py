@@ -150,6 +150,10 @@ case("cached_conv1d-f32-cache-bf16-w", "cached_conv1d", [randn(1, 1, 8, 4), rand
                                                          torch.tensor([5])], {"groups": 4})
 case("conv1d-causal-depthwise", "conv1d", [randn(1, 8, 9), randn(8, 1, 3)], {"pads": (2, 0), "groups": 8})
 case("conv1d-dense", "conv1d", [randn(2, 5, 7), randn(3, 5, 2), randn(3)], {"pads": (0, 0)})
+# f32 depthwise without padding (a recurrent layer's conv window): ops_recurrent.c's kernel, on one
+# thread for a decode step's few rows and shared out for a long one
+case("conv1d-depthwise-window", "conv1d", [randn(2, 40, 7), randn(40, 1, 4), randn(40)], {"pads": (0, 0), "groups": 40})
+case("conv1d-depthwise-long", "conv1d", [randn(2, 64, 600), randn(64, 1, 4)], {"pads": (0, 0), "groups": 64})
 
 # rotary embeddings: rope_lut where exec.c's does not take it (half tables or x, i32 positions), and ONNX's
 for dt, lay in ((BF16, "half"), (F16, "interleaved"), (BF16, "deinterleave"), (F32, "half")):

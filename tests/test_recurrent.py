@@ -1,13 +1,15 @@
 """Recurrent state (compiler/recurrent.py, ir/recurrent_ops.py, passes/recurrent_state.py):
 hybrid and state-space models compiled from a Hugging Face folder generate HF's greedy
 tokens, every sequence over the slots as it would alone, including in a slot a finished
-request left, and `npuc info` reports the state each slot keeps."""
+request left, and `npuc info` reports the state each slot keeps. Speculative decoding over
+them: a verify step's rejected drafts are undone by rolling the states back to a row."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from model_matrix import tiny_config
@@ -28,6 +30,11 @@ FAMILIES = ["qwen3_5_text", "mamba2", "jamba"]
 MORE = ["qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "mamba", "rwkv",
         "recurrent_gemma", "minimax", "kimi_linear"]
 PREFILL, MAX_SEQ, SLOTS, NEW = 8, 48, 4, 12
+K = 3  # --speculative_tokens of these four-slot models: a verify program, with its states kept by row
+# every recurrence (per-head and per-channel scans, the delta rule and Kimi's per-channel form, WKV,
+# RG-LRU, lightning attention), conv windows, NoPE attention and MoE beside them (the verify trace
+# costs each compile ~6 s: the other families repeat these kinds)
+SPECULATIVE = ["qwen3_5_text", "mamba2", "jamba", "qwen3_next", "rwkv", "recurrent_gemma", "minimax", "kimi_linear"]
 # Shorter than the prefill (right padding the state must not see), as long, and longer (the rest by decode)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 11], [1, 2, 3], [9] * 12, [100, 50, 25, 12, 6, 3], [7, 7], [2, 3, 4, 5, 6]]
 NEW_EACH = [10, 4, 8, 12, 3, 6]  # so that requests finish and the queued ones reuse their slots
@@ -64,6 +71,7 @@ def recurrent_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
         one = compile_model(str(folder), input_shape=f"input_ids:1,{PREFILL}", max_seq_len=MAX_SEQ,
                             output=str(root / f"{fam}-1")) if fam in FAMILIES else ""
         many = compile_model(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
+                             speculative_tokens=K if fam in SPECULATIVE else None,
                              output=str(root / f"{fam}-{SLOTS}"))
         out[fam] = (folder, Path(one), Path(many))
     return out
@@ -132,7 +140,10 @@ def test_info_reports_state_per_slot(recurrent_models: dict[str, tuple[Path, Pat
     info = model_info(str(one))
     assert info["recurrent_state_bytes_per_slot"] == want and info["state_bytes"] == want
     assert model_info(str(many))["recurrent_state_bytes_per_slot"] == want
-    assert model_info(str(many))["state_bytes"] == SLOTS * want
+    # and with a verify program, a copy after each of its K + 1 rows but the last: the rollback's
+    assert model_info(str(one))["recurrent_rollback_bytes_per_slot"] == 0
+    assert model_info(str(many))["recurrent_rollback_bytes_per_slot"] == K * want
+    assert model_info(str(many))["state_bytes"] == SLOTS * (K + 1) * want
     longer = compile_model(str(folder), input_shape=f"input_ids:1,{PREFILL}", max_seq_len=4 * MAX_SEQ,
                            output=str(tmp_path / "longer"))
     assert model_info(longer)["state_bytes"] == want  # independent of --max_seq_len
@@ -207,3 +218,131 @@ def test_decode_check_probes_a_short_prefill(recurrent_models: dict[str, tuple[P
     prompt = [(5 * i + 1) % 90 + 4 for i in range(20)]
     got = [t for t, _ in steps(Session.load(om), prompt, 12, ignore_eos=True)]
     assert got == _hf_greedy(_hf(folder), prompt, 12)
+
+
+def _oracle_drafts(monkeypatch: pytest.MonkeyPatch, answers: dict[tuple[int, ...], list[int]]) -> None:
+    """Drafts from the answers without speculation, every sequence's: right, wrong at the
+    last draft, or wrong at the first, in turn by the sequence's length, so that verify steps
+    keep every row, some, or only the first (and the shorter drafts near the end pad theirs)."""
+    def draft(self: Any, k: int) -> list[int]:
+        seq = self.tokens
+        for prompt, out in answers.items():
+            n = len(prompt)
+            if tuple(seq[:n]) == prompt and seq[n:] == out[:len(seq) - n]:
+                d = list(out[len(seq) - n:][:k])
+                if d and len(seq) % 3:
+                    d[-1 if len(seq) % 3 == 1 else 0] += 1
+                return d
+        return []
+
+    monkeypatch.setattr("npuc.apps.speculative.NgramIndex.draft", draft)
+
+
+def _answers(s: Any, config: Any, rows: list[list[Any]] | None = None) -> tuple[list[list[int]], Any]:
+    """Each request's tokens (and, into `rows`, the logits each was chosen from)."""
+    sched = Scheduler(s, keep_logits=rows is not None, speculative=config)
+    ids = [sched.submit(p, n, ignore_eos=True) for p, n in zip(PROMPTS, NEW_EACH, strict=True)]
+    got: dict[int, list[Any]] = {i: [] for i in ids}
+    while not sched.idle:
+        for e in sched.step():
+            got[e.request].append(torch.as_tensor(np.asarray(e.logits)) if rows is not None else None)
+    if rows is not None:
+        rows += [got[i] for i in ids]
+    return [sched.requests[i].tokens for i in ids], sched.stats
+
+
+@pytest.mark.parametrize("fam", SPECULATIVE)
+def test_speculation_keeps_the_greedy_tokens(fam: str, recurrent_models: dict[str, tuple[Path, Path, Path]],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every recurrence (and conv window) under speculation: drafts accepted whole, in part
+    and not at all, over six requests in four slots; each slot's states rolled back to its
+    last kept row (the rest of a short draft's rows included). The tokens equal the answers
+    without speculation."""
+    from npuc.apps.speculative import SpeculativeConfig
+
+    _, _, many = recurrent_models[fam]
+    s = Session.load(str(many))
+    plain: list[list[Any]] = []
+    spec: list[list[Any]] = []
+    want, _ = _answers(s, SpeculativeConfig(method="off"), plain)
+    _oracle_drafts(monkeypatch, {tuple(p): w for p, w in zip(PROMPTS, want, strict=True)})
+    got, stats = _answers(s, SpeculativeConfig(method="ngram", min_gain=0.0), spec)
+    assert got == want
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted
+    for a, b in zip(plain, spec, strict=True):  # every token's logits, not only its argmax
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+
+
+def test_speculation_on_the_c_and_reference_executors(recurrent_models: dict[str, tuple[Path, Path, Path]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through libnpucrt (npuc_session_rollback) and the reference kernels."""
+    from npuc.apps.speculative import SpeculativeConfig
+    from npuc.runtime.native_session import NativeSession, runtime_library
+
+    _, _, many = recurrent_models["qwen3_5_text"]
+    want, _ = _answers(Session.load(str(many)), SpeculativeConfig(method="off"))
+    _oracle_drafts(monkeypatch, {tuple(p): w for p, w in zip(PROMPTS, want, strict=True)})
+    sessions = [Session.load(str(many), use_native=False)]
+    if runtime_library() is not None:
+        sessions.append(NativeSession(str(many)))
+    for s in sessions:
+        got, stats = _answers(s, SpeculativeConfig(method="ngram", min_gain=0.0))
+        assert got == want and 0 < stats.accepted < stats.drafted, type(s).__name__
+
+
+def test_rollback_restores_a_rows_state_and_refuses_what_it_cannot(
+        recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+    """After a verify step of four rows, rolling back to row 1 gives the state two decode
+    steps give; a slot or row out of range, or a model without states by row, is refused
+    with NPUC-E0108 on both runtimes, and nothing is copied."""
+    from npuc.runtime.native_session import NativeSession, runtime_library
+
+    _, one, many = recurrent_models["mamba2"]
+    prompt, feed = [5, 17, 3, 99, 42, 7], [11, 23, 8, 40]
+    makers: list[Any] = [Session.load] + ([NativeSession] if runtime_library() is not None else [])
+
+    def prefill(s: Any) -> None:
+        ids = np.zeros((1, PREFILL), np.int64)
+        ids[0, :len(prompt)] = prompt
+        s.reset_state()
+        s.run({"input_ids": ids, "last_token": np.array([len(prompt) - 1]), "slot": np.array([2])}, "prefill")
+
+    def decode(s: Any, t: int, at: int) -> np.ndarray:
+        ids, pos = np.zeros((SLOTS, 1), np.int64), np.zeros((SLOTS,), np.int64)
+        ids[2, 0], pos[2] = t, at
+        out = s.run({"input_ids": ids, "position": pos}, "decode")["logits"]
+        return (out.numpy() if isinstance(out, torch.Tensor) else np.asarray(out))[2, -1]
+
+    for make in makers:
+        s = make(str(many))
+        prefill(s)
+        want = [decode(s, t, len(prompt) + i) for i, t in enumerate(feed[:3])][2]
+        for back in (True, False):
+            prefill(s)
+            ids, pos = np.zeros((SLOTS, K + 1), np.int64), np.zeros((SLOTS, K + 1), np.int64)
+            ids[2], pos[2] = [feed[0], feed[1], 77, 78], np.arange(len(prompt), len(prompt) + K + 1)
+            s.run({"input_ids": ids, "position": pos}, "verify")
+            for slot, row in ((SLOTS, 0), (0, K + 1), (-1, 0), (0, -1)):
+                with pytest.raises(NpucError) as e:
+                    s.rollback(slot, row)
+                assert e.value.code == "NPUC-E0108"
+            s.rollback(2, K)  # every row kept: nothing to undo
+            if back:
+                s.rollback(2, 1)
+            got = decode(s, feed[2], len(prompt) + 2)
+            assert (np.abs(got - want).max() < 1e-4) == back, (make, back)
+        with pytest.raises(NpucError) as e:
+            make(str(one)).rollback(0, 0)
+        assert e.value.code == "NPUC-E0108" and "--speculative_tokens" in (e.value.hint or "")
+
+
+def test_several_decode_tokens_beside_a_recurrence_are_refused(
+        recurrent_models: dict[str, tuple[Path, Path, Path]], tmp_path: Path) -> None:
+    """--decode_tokens C > 1 keeps no states by row (only verify does): refused, with the
+    reason, and no file left."""
+    folder = recurrent_models["mamba2"][0]
+    with pytest.raises(NpucError, match="verify program") as e:
+        compile_model(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ, decode_tokens=2,
+                      output=str(tmp_path / "m"))
+    assert e.value.code == "NPUC-E0123" and not (tmp_path / "m.om").exists()

@@ -34,6 +34,7 @@ from npuc.backend.manifest import Manifest, open_rank, read_manifest
 from npuc.backend.om_format import FORMAT_VERSION, OmFile
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
+from npuc.passes.recurrent_state import BY_ROW
 from npuc.runtime.om_validate import check_structure, prefix_pool_size, prefix_pool_tensors, validate_model
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
@@ -105,10 +106,11 @@ def _caches(m: Any) -> list[Any]:
             and t.shape[0] and t.shape[2] and not t.name.startswith(_RECURRENT) and i not in pools]
 
 
-def _recurrent_bytes_per_slot(m: Any) -> int:
-    """Bytes of one sequence's recurrent states (scan and delta-rule states, conv windows)."""
+def _recurrent_bytes_per_slot(m: Any, by_row: bool = False) -> int:
+    """Bytes of one sequence's recurrent states (scan and delta-rule states, conv windows), or
+    (`by_row`) of their copies after each verify row (--speculative_tokens: a draft's rollback)."""
     return sum(t.nbytes // t.shape[0] for t in m.tensors if t.region == "state" and not t.HasField("base")
-               and t.name.startswith(_RECURRENT) and t.shape and t.shape[0])
+               and t.name.startswith(_RECURRENT) and t.shape and t.shape[0] and t.name.endswith(BY_ROW) == by_row)
 
 
 def _kv_bytes_per_token(m: Any) -> int:
@@ -169,6 +171,7 @@ def model_info(path: str) -> dict[str, Any]:
             "kv_slots": _kv_slots(m),
             "kv_cache_bytes_per_slot": sum(t.nbytes // t.shape[0] for t in _caches(m)),
             "recurrent_state_bytes_per_slot": _recurrent_bytes_per_slot(m),
+            "recurrent_rollback_bytes_per_slot": _recurrent_bytes_per_slot(m, by_row=True),
             "prefix_pool_entries": entries,
             "prefix_pool_bytes": pool_bytes,
             "format_version": FORMAT_VERSION,
@@ -267,6 +270,9 @@ def render_info(path: str, info: dict[str, Any]) -> str:
         *([("recurrent state", f"{_b(info['recurrent_state_bytes_per_slot'])} per slot (scan and delta-rule "
                                 "states, conv windows; the same at any --max_seq_len)")]
           if info.get("recurrent_state_bytes_per_slot") else []),
+        *([("rollback copies", f"{_b(info['recurrent_rollback_bytes_per_slot'])} per slot (the recurrent states "
+                                "after each row of a verify step, for a rejected draft's rollback)")]
+          if info.get("recurrent_rollback_bytes_per_slot") else []),
         ("alignment", _b(info["alignment"])),
     ]
     if "parallel" in info:

@@ -320,6 +320,73 @@ int npuc_session_copy_slot(npuc_session *s, int32_t from, int32_t to, npuc_error
     return NPUC_OK;
 }
 
+/* The state tensor `name` (a state of the slots, not a view of one): its index, or -1. */
+static int32_t state_named(const npuc_model *m, const char *name, size_t n) {
+    for (int32_t i = 0; i < m->n_tensors; i++) {
+        const rt_tensor *t = &m->tensors[i];
+        if (t->region == REGION_STATE && !t->pool && t->base == -1 && strlen(t->name) == n &&
+            strncmp(t->name, name, n) == 0)
+            return i;
+    }
+    return -1;
+}
+
+static int ends_with(const char *s, const char *tail) {
+    size_t a = strlen(s), b = strlen(tail);
+    return a >= b && strcmp(s + a - b, tail) == 0;
+}
+
+int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error *err) {
+    if (s == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
+    const npuc_model *m = rt_session_model(s);
+    if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
+    const int64_t B = m->gen.slots;
+    static const char BY_ROW[] = ".by_row";
+    /* every pair checked before any byte moves: <name>.by_row [B, 1, K, n] beside <name> [B, ...]
+     * of n values a slot, the same dtype (K: the verify step's rows but its last, whose state is
+     * the state's own) */
+    int32_t pairs = 0;
+    int64_t C = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int32_t i = 0; i < m->n_tensors; i++) {
+            const rt_tensor *r = &m->tensors[i];
+            if (r->region != REGION_STATE || r->pool || r->base != -1 || !ends_with(r->name, BY_ROW)) continue;
+            int32_t j = state_named(m, r->name, strlen(r->name) - (sizeof BY_ROW - 1));
+            const rt_tensor *t = j >= 0 ? &m->tensors[j] : NULL;
+            if (pass == 0) {
+                if (t == NULL || t->dtype != r->dtype || r->rank != 4 || r->shape[0] != B || r->shape[1] != 1 ||
+                    r->shape[2] < 1 || t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B ||
+                    r->nbytes / (uint64_t)B / (uint64_t)r->shape[2] != t->nbytes / (uint64_t)B ||
+                    r->nbytes % ((uint64_t)B * (uint64_t)r->shape[2]))
+                    return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
+                                   "state %s does not hold one copy of its state per slot and verify row", r->name);
+                if (C != 0 && r->shape[2] != C)
+                    return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
+                                   "state %s keeps %lld rows, another %lld", r->name, (long long)r->shape[2],
+                                   (long long)C);
+                C = r->shape[2], pairs++;
+                continue;
+            }
+            uint64_t per = t->nbytes / (uint64_t)B;
+            uint8_t *state = rt_session_state(s);
+            memcpy(state + t->offset + per * (uint64_t)slot,
+                   state + r->offset + per * ((uint64_t)slot * (uint64_t)C + (uint64_t)row), (size_t)per);
+        }
+        if (pass == 0) {
+            if (pairs == 0)
+                return rt_fail(err, NPUC_E_INPUT, "compile the model with --speculative_tokens K",
+                               "the model keeps no recurrent state by verify row: there is nothing to roll back");
+            if (slot < 0 || slot >= B || row < 0 || row > C) {
+                char hint[96];
+                snprintf(hint, sizeof hint, "slots are 0..%lld, rows 0..%lld", (long long)B - 1, (long long)C);
+                return rt_fail(err, NPUC_E_INPUT, hint, "roll slot %d back to row %d", (int)slot, (int)row);
+            }
+            if (row == C) return NPUC_OK; /* every row kept: the states are the step's own */
+        }
+    }
+    return NPUC_OK;
+}
+
 /* ---- npuc_generate: runtime/scheduler.py's Scheduler, in C ----------------------------------- */
 
 typedef struct {

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "ops_generic.h"
+#include "ops_recurrent.h"
 
 #define AT_QB 32         /* query rows per chunk (decode's G * s rows up to 2 * AT_QB: one chunk) */
 #define AT_MAX (INT64_C(1) << 40)
@@ -370,9 +371,7 @@ typedef struct conv_job {
 } conv_job;
 
 /* One (n, o) row of outputs: conv1d's Lout of them, or cached_conv1d's one. */
-static void conv_chunk(const void *ctx, i64 c, int tid) {
-    (void)tid;
-    const conv_job *J = ctx;
+static void conv_row(const conv_job *J, i64 c) {
     const rt_step *st = J->st;
     const i64 *a = st->i;
     i64 n = c / a[3], o = c % a[3], C = a[1], L = a[2], Cg = a[4], K = a[5], dil = a[6], g = o / a[7];
@@ -397,6 +396,11 @@ static void conv_chunk(const void *ctx, i64 c, int tid) {
     }
 }
 
+static void conv_rows(const void *ctx, i64 lo, i64 hi, int tid) {
+    (void)tid;
+    for (i64 c = lo; c < hi; c++) conv_row(ctx, c);
+}
+
 static int conv_run(const rt_step *st, struct npuc_session *s) {
     const i64 *a = st->i;
     conv_job J = {st, a[16] ? st->in[2].data : NULL};
@@ -406,7 +410,19 @@ static int conv_run(const rt_step *st, struct npuc_session *s) {
             if (p < 0 || p >= a[2]) return NPUC_E_INPUT;
         }
     }
-    npuc_parallel(conv_chunk, &J, a[0] * a[3], rt_session_threads(s));
+    /* f32 depthwise, unpadded, stride and dilation 1 (the short conv over a recurrent layer's
+     * window): ops_recurrent.c's kernel, the same sums in the same order without the loads'
+     * dtype switch */
+    if (!J.pos && a[8] == NPUC_F32 && a[9] == NPUC_F32 && a[4] == 1 && a[3] == a[1] && a[6] == 1 && a[12] == 1 &&
+        a[13] == 0 && a[11] == a[2] - a[5] + 1)
+        return npuc_conv1d_depthwise_f32(st->in[0].data, st->in[1].data, a[10] ? st->in[2].data : NULL,
+                                         st->out[0].data, a[0], a[1], a[2], a[5], rt_session_threads(s))
+                   ? NPUC_E_KERNEL
+                   : 0;
+    /* rows of about 64K multiply-adds a chunk: a decode step's depthwise conv (a few per row)
+     * runs on one thread, where a chunk per row cost more in handing out than in computing */
+    i64 per_row = a[11] * a[4] * a[5];
+    og_parallel(conv_rows, &J, a[0] * a[3], 65536 / (per_row > 0 ? per_row : 1) + 1, rt_session_threads(s));
     return 0;
 }
 
