@@ -147,6 +147,12 @@ def proto_text() -> str:
 # state region, [entries, *the state's shape[1:]], which no program uses.
 PREFIX_POOL = "prefix_pool"
 
+# A recurrent model's verify program keeps each recurrent state `<state>` after each of its rows
+# but the last in a state "<state>.by_row", [slots, 1, K, n] (passes/recurrent_state.py names
+# them: its BY_ROW is this; metadata `recurrent_rollback` lists them). What Session.rollback and
+# `npuc info` look for without the compiler's modules.
+ROLLBACK_SUFFIX = ".by_row"
+
 
 def pool_tensor_name(state: str) -> str:
     return f"{PREFIX_POOL}.{state}"

@@ -60,7 +60,8 @@ STATEFUL = {"selective_scan": ("selective_scan_state", "ssm_state"),
             "linear_recurrence": ("linear_recurrence_state", "lru_state"),
             "linear_attention": ("linear_attention_state", "linear_state")}
 STATE_PREFIXES = (*(prefix + "." for _, prefix in STATEFUL.values()), "conv_window.")
-# A verify program's copy of a state after each of its rows: the state's name plus this
+# A verify program's copy of a state after each of its rows: the state's name plus this (the
+# .om format's name, which backend/om_schema.ROLLBACK_SUFFIX gives the runtime and tools)
 BY_ROW = ".by_row"
 # Each pure recurrence's operands that run along the sequence, [b, S, ...] (the others are
 # per channel: a decay rate, a skip weight, a bonus)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from npuc.backend.om_format import OmFile
+from npuc.backend.om_schema import ROLLBACK_SUFFIX
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
-from npuc.passes.recurrent_state import BY_ROW
 from npuc.runtime import native
 from npuc.runtime.launch import Bound, Launchers, tail_rows_read
 from npuc.runtime.om_validate import attr_value, position_rows, validate_model
@@ -193,8 +193,8 @@ class Session:
         each `<state>.by_row` [slots, 1, K, n] (passes/recurrent_state.py) gives its copy back,
         row K (all kept) none (npuc_session_rollback's rule and refusals)."""
         states = {t.name: i for i, t in enumerate(self.tensors) if t.region == "state"}
-        pairs = [(self.views[states[n[:-len(BY_ROW)]]], self.views[i]) for n, i in states.items()
-                 if n.endswith(BY_ROW) and n[:-len(BY_ROW)] in states]
+        pairs = [(self.views[states[n[:-len(ROLLBACK_SUFFIX)]]], self.views[i]) for n, i in states.items()
+                 if n.endswith(ROLLBACK_SUFFIX) and n[:-len(ROLLBACK_SUFFIX)] in states]
         if not pairs:
             raise NpucError("NPUC-E0108", "the model keeps no recurrent state by verify row: there is nothing to "
                             "roll back", "compile the model with --speculative_tokens K")

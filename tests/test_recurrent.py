@@ -16,8 +16,10 @@ from model_matrix import tiny_config
 
 from npuc.apps.generate import steps
 from npuc.apps.scheduler import Scheduler
+from npuc.backend.om_schema import ROLLBACK_SUFFIX
 from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
+from npuc.passes.recurrent_state import BY_ROW
 from npuc.runtime import Session
 from npuc.tools.om_tools import model_info
 
@@ -31,10 +33,11 @@ MORE = ["qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "fal
         "recurrent_gemma", "minimax", "kimi_linear"]
 PREFILL, MAX_SEQ, SLOTS, NEW = 8, 48, 4, 12
 K = 3  # --speculative_tokens of these four-slot models: a verify program, with its states kept by row
-# every recurrence (per-head and per-channel scans, the delta rule and Kimi's per-channel form, WKV,
-# RG-LRU, lightning attention), conv windows, NoPE attention and MoE beside them (the verify trace
-# costs each compile ~6 s: the other families repeat these kinds)
-SPECULATIVE = ["qwen3_5_text", "mamba2", "jamba", "qwen3_next", "rwkv", "recurrent_gemma", "minimax", "kimi_linear"]
+# every recurrence (per-head and per-channel scans, the delta rule, WKV, RG-LRU, lightning
+# attention), conv windows, NoPE attention and MoE beside them (the verify trace costs each compile
+# ~6 s: the other families repeat these kinds; Kimi's delta rule differs from Qwen's in g's shape
+# only, operand 3 sliced along the rows alike)
+SPECULATIVE = ["qwen3_5_text", "mamba2", "jamba", "qwen3_next", "rwkv", "recurrent_gemma", "minimax"]
 # Shorter than the prefill (right padding the state must not see), as long, and longer (the rest by decode)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 11], [1, 2, 3], [9] * 12, [100, 50, 25, 12, 6, 3], [7, 7], [2, 3, 4, 5, 6]]
 NEW_EACH = [10, 4, 8, 12, 3, 6]  # so that requests finish and the queued ones reuse their slots
@@ -141,6 +144,8 @@ def test_info_reports_state_per_slot(recurrent_models: dict[str, tuple[Path, Pat
     assert info["recurrent_state_bytes_per_slot"] == want and info["state_bytes"] == want
     assert model_info(str(many))["recurrent_state_bytes_per_slot"] == want
     # and with a verify program, a copy after each of its K + 1 rows but the last: the rollback's
+    # (named as the runtime and `npuc info` look for them without the compiler)
+    assert BY_ROW == ROLLBACK_SUFFIX
     assert model_info(str(one))["recurrent_rollback_bytes_per_slot"] == 0
     assert model_info(str(many))["recurrent_rollback_bytes_per_slot"] == K * want
     assert model_info(str(many))["state_bytes"] == SLOTS * (K + 1) * want

@@ -32,9 +32,9 @@ from google.protobuf.json_format import MessageToDict
 
 from npuc.backend.manifest import Manifest, open_rank, read_manifest
 from npuc.backend.om_format import FORMAT_VERSION, OmFile
+from npuc.backend.om_schema import ROLLBACK_SUFFIX
 from npuc.backend.om_sections import MODEL_SECTIONS, join_model
 from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
-from npuc.passes.recurrent_state import BY_ROW
 from npuc.runtime.om_validate import check_structure, prefix_pool_size, prefix_pool_tensors, validate_model
 
 __all__ = ["dump_json", "model_info", "render_info", "validate_om"]
@@ -110,7 +110,8 @@ def _recurrent_bytes_per_slot(m: Any, by_row: bool = False) -> int:
     """Bytes of one sequence's recurrent states (scan and delta-rule states, conv windows), or
     (`by_row`) of their copies after each verify row (--speculative_tokens: a draft's rollback)."""
     return sum(t.nbytes // t.shape[0] for t in m.tensors if t.region == "state" and not t.HasField("base")
-               and t.name.startswith(_RECURRENT) and t.shape and t.shape[0] and t.name.endswith(BY_ROW) == by_row)
+               and t.name.startswith(_RECURRENT) and t.shape and t.shape[0]
+               and t.name.endswith(ROLLBACK_SUFFIX) == by_row)
 
 
 def _kv_bytes_per_token(m: Any) -> int:
