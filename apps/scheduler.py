@@ -142,7 +142,7 @@ class Scheduler:
         # verify also feeds a prompt's rest K + 1 tokens a step (after a prefix hit), drafts or not.
         # A recurrent model's verify keeps its states after each row: a slot whose rows were not
         # all kept has its states rolled back to its last kept row (Session.rollback)
-        self._rollback = self.info.recurrent and self.info.rollback
+        self._rollback = self.info.rollback
         self._can_verify = self._vrows > 1 and (not self.info.recurrent or self._rollback)
         method = self.speculative.method
         if method == "auto":  # the model's own MTP layer where it has one, else n-grams

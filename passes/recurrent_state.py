@@ -102,17 +102,15 @@ class _ByRow:
     [slots, 1, C - 1, n] (the state after the last is the state's own update)."""
 
     def __init__(self, g: Graph, state: Value, rows: int, before: Node) -> None:
-        self.g, self.before, self.slots, self.rows = g, before, state.type.shape[0], rows
+        self.g, self.before, self.slots = g, before, state.type.shape[0]
         self.per = math.prod(state.type.shape[1:])
         self.state = g.add_state(state.name + BY_ROW,
                                  TensorType((self.slots, 1, rows - 1, self.per), state.type.dtype))
         self.cur = self.state
 
     def keep(self, v: Value, r: int) -> None:
-        """Write `v` (the state after row r) as row r, before anything that follows updates it
-        (nothing for the last row)."""
-        if r == self.rows - 1:
-            return
+        """Write `v` (the state after row r < C - 1) as row r, before anything that follows
+        updates it."""
         g, name = self.g, f"{self.state.name}.{r}"
         flat = g.add_node("reshape", [v], [TensorType((self.slots, 1, 1, self.per), v.type.dtype)],
                           {"shape": (self.slots, 1, 1, self.per)}, names=name, before=self.before).outputs[0]
@@ -139,14 +137,15 @@ def _by_rows(g: Graph, n: Node, st: Value, stateful: str) -> Node:
     rows = n.inputs[0].type.shape[1]
     seq = SEQ_OPERANDS[n.op]
     by_row = _ByRow(g, st, rows, n)
+    y = n.outputs[0].type
     cur, outs = st, []
     for r in range(rows):
         ins = [_row(g, v, 1, r, n) if j in seq else v for j, v in enumerate(n.inputs)]
-        y = n.outputs[0].type
         step = g.add_node(stateful, [cur, *ins], [st.type, TensorType((y.shape[0], 1, *y.shape[2:]), y.dtype)],
                           names=[f"{st.name}.update.{r}", f"{n.outputs[0].name}.row{r}"], before=n)
         cur = step.outputs[0]
-        by_row.keep(cur, r)
+        if r < rows - 1:  # (after the last, the state's own update)
+            by_row.keep(cur, r)
         outs.append(step.outputs[1])
     g.set_state_update(st, cur)
     by_row.done()
@@ -203,8 +202,9 @@ def conv_window(g: Graph, n: Node, i: int, role: str, slots: int, slot: Value | 
         %win = transpose(reshape(%a))                              [slots, c, W + 1]
         %y = conv1d[no padding](%win, @w)                          [slots, o, 1]
         %w = kv_write(%a, rows(slice[1..W+1](%win)), @0..W-1)     the window moves on
-      verify (`by_row`: C tokens of each slot): decode's steps for each row in turn, the
-      window after each kept by row (`conv_window.<i>.by_row`), the rows' outputs concatenated
+      verify (`by_row`: C tokens of each slot): the window and the C rows as one sequence
+      of W + C rows, convolved once; the last W rows the new window, and rows r+1 .. r+W
+      (the window after row r < C - 1) kept by row (`conv_window.<i>.by_row`)
     """
     x, w = n.inputs[0], n.inputs[1]
     b, c, s = x.type.shape

@@ -15,6 +15,7 @@ region, allocated and zeroed once at load, which persists across runs until
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -192,9 +193,7 @@ class Session:
         """Slot `slot`'s recurrent states as they were after row `row` of the last verify step:
         each `<state>.by_row` [slots, 1, K, n] (passes/recurrent_state.py) gives its copy back,
         row K (all kept) none (npuc_session_rollback's rule and refusals)."""
-        states = {t.name: i for i, t in enumerate(self.tensors) if t.region == "state"}
-        pairs = [(self.views[states[n[:-len(ROLLBACK_SUFFIX)]]], self.views[i]) for n, i in states.items()
-                 if n.endswith(ROLLBACK_SUFFIX) and n[:-len(ROLLBACK_SUFFIX)] in states]
+        pairs = self._rollback_pairs
         if not pairs:
             raise NpucError("NPUC-E0108", "the model keeps no recurrent state by verify row: there is nothing to "
                             "roll back", "compile the model with --speculative_tokens K")
@@ -206,6 +205,13 @@ class Session:
             return
         for state, by_row in pairs:
             state[slot].copy_(by_row[slot, 0, row].reshape(state.shape[1:]))
+
+    @functools.cached_property
+    def _rollback_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(state, its copies by verify row) views, found by name once (rollback runs every step)."""
+        states = {t.name: i for i, t in enumerate(self.tensors) if t.region == "state"}
+        return [(self.views[states[n[:-len(ROLLBACK_SUFFIX)]]], self.views[i]) for n, i in states.items()
+                if n.endswith(ROLLBACK_SUFFIX) and n[:-len(ROLLBACK_SUFFIX)] in states]
 
     @property
     def prefix_entries(self) -> int:

@@ -346,7 +346,7 @@ int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error
      * of n values a slot, the same dtype (K: the verify step's rows but its last, whose state is
      * the state's own) */
     int32_t pairs = 0;
-    int64_t C = 0;
+    int64_t K = 0;
     for (int pass = 0; pass < 2; pass++) {
         for (int32_t i = 0; i < m->n_tensors; i++) {
             const rt_tensor *r = &m->tensors[i];
@@ -360,28 +360,28 @@ int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error
                     r->nbytes % ((uint64_t)B * (uint64_t)r->shape[2]))
                     return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
                                    "state %s does not hold one copy of its state per slot and verify row", r->name);
-                if (C != 0 && r->shape[2] != C)
+                if (K != 0 && r->shape[2] != K)
                     return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
                                    "state %s keeps %lld rows, another %lld", r->name, (long long)r->shape[2],
-                                   (long long)C);
-                C = r->shape[2], pairs++;
+                                   (long long)K);
+                K = r->shape[2], pairs++;
                 continue;
             }
             uint64_t per = t->nbytes / (uint64_t)B;
             uint8_t *state = rt_session_state(s);
             memcpy(state + t->offset + per * (uint64_t)slot,
-                   state + r->offset + per * ((uint64_t)slot * (uint64_t)C + (uint64_t)row), (size_t)per);
+                   state + r->offset + per * ((uint64_t)slot * (uint64_t)K + (uint64_t)row), (size_t)per);
         }
         if (pass == 0) {
             if (pairs == 0)
                 return rt_fail(err, NPUC_E_INPUT, "compile the model with --speculative_tokens K",
                                "the model keeps no recurrent state by verify row: there is nothing to roll back");
-            if (slot < 0 || slot >= B || row < 0 || row > C) {
+            if (slot < 0 || slot >= B || row < 0 || row > K) {
                 char hint[96];
-                snprintf(hint, sizeof hint, "slots are 0..%lld, rows 0..%lld", (long long)B - 1, (long long)C);
+                snprintf(hint, sizeof hint, "slots are 0..%lld, rows 0..%lld", (long long)B - 1, (long long)K);
                 return rt_fail(err, NPUC_E_INPUT, hint, "roll slot %d back to row %d", (int)slot, (int)row);
             }
-            if (row == C) return NPUC_OK; /* every row kept: the states are the step's own */
+            if (row == K) return NPUC_OK; /* every row kept: the states are the step's own */
         }
     }
     return NPUC_OK;
