@@ -5,7 +5,7 @@ prompts, padded on the left, in the same run.
     python bench/batch_decode.py [--quick] [--work DIR] [--merge docs/benchmarks.json]
 
 (then the serving load test, bench/serve_load.py, on the batch-4 model as it is, with
---decode_tokens 4 and with --mixed_tokens 4).
+--decode_tokens 4 and with --mixed_tokens 4 and 2).
 
 npuc: one `.om` per batch (`--input_shape input_ids:B,<prompt> --max_seq_len ...`); B
 prompts are admitted (a prefill each), then every step decodes one token of each slot. A
@@ -118,13 +118,13 @@ def run(ckpt: Path, s: Sizes, work: Path, rounds: int, batches: tuple[int, ...] 
 
 
 DECODE_TOKENS = 4  # the chunked-prefill configuration the load test also serves
-MIXED_TOKENS = 4  # the mixed prefill/decode step's prompt rows, served too
+MIXED_TOKENS = (4, 2)  # the mixed prefill/decode step's prompt rows, served too (--quick: the first)
 
 
 def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, Any]]:
     """bench/serve_load.py on the batch-4 model (batch 2 with --quick) that run() compiled,
-    on the same with --decode_tokens DECODE_TOKENS and on the same with --mixed_tokens
-    MIXED_TOKENS, each in turn in the same run."""
+    on the same with --decode_tokens DECODE_TOKENS and on the same with each --mixed_tokens
+    of MIXED_TOKENS, each in turn in the same run."""
     import serve_load
 
     from npuc.compiler.driver import compile_model
@@ -134,12 +134,15 @@ def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, A
     if not chunked.exists():
         compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len, soc_version="cpu",
                       decode_tokens=DECODE_TOKENS, output=str(chunked)[:-3])
-    mixed = work / f"batch_{s.hidden}x{s.layers}_b{b}_m{MIXED_TOKENS}.om"
-    if not mixed.exists():
-        compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len, soc_version="cpu",
-                      mixed_tokens=MIXED_TOKENS, output=str(mixed)[:-3])
+    oms = [work / f"batch_{s.hidden}x{s.layers}_b{b}.om", chunked]
+    for c in MIXED_TOKENS[:1] if quick else MIXED_TOKENS:
+        mixed = work / f"batch_{s.hidden}x{s.layers}_b{b}_m{c}.om"
+        if not mixed.exists():
+            compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len,
+                          soc_version="cpu", mixed_tokens=c, output=str(mixed)[:-3])
+        oms.append(mixed)
     return [serve_load.run(om, s.vocab, s.prompt, s.new, requests=8 if quick else 40, limit=120 if quick else 900)
-            for om in (work / f"batch_{s.hidden}x{s.layers}_b{b}.om", chunked, mixed)]
+            for om in oms]
 
 
 def render(batch: dict[str, Any]) -> list[str]:
