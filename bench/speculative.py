@@ -4,10 +4,13 @@ the same prompts decoded with `--speculative off` and `ngram`, timed in turn, on
     python bench/speculative.py MODEL.om [--rounds 5] [--new 128] [--threads 2] [--cases copy,rejected]
     python bench/speculative.py STDLIB.om --draft SMALL.om --cases text,copy
     python bench/speculative.py STDLIB_MTP.om --mtp --cases text,copy
+    python bench/speculative.py MODEL.om --c --cases copy,plain,sampled
 
 With --draft, the speculative runs draft with a small model's `.om` (method "draft",
 apps/draft_model.py) instead of n-grams; with --mtp, with the model's own MTP layer (a `.om`
-compiled with --mtp; apps/mtp_draft.py, bench/train_stdlib_mtp.py trains one).
+compiled with --mtp; apps/mtp_draft.py, bench/train_stdlib_mtp.py trains one). With --c, both
+run libnpucrt's own decode loop (npuc_generate_speculative, as a C application calls it) instead
+of the scheduler: n-gram drafts of K tokens, or none.
 
 Prompts (token ids, so any vocabulary serves):
 - copy: a 64-token block, then the block again cut short: where the model continues the
@@ -36,6 +39,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 
 def main() -> None:
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--cases", default="copy,plain,sampled,rejected", help="which prompts, comma-separated")
     ap.add_argument("--draft", default=None, metavar="SMALL.om", help="draft with this model instead of n-grams")
     ap.add_argument("--mtp", action="store_true", help="draft with the model's MTP layer instead of n-grams")
+    ap.add_argument("--c", action="store_true", help="time libnpucrt's decode loop (npuc_generate_speculative)")
     args = ap.parse_args()
     os.environ.setdefault("NPUC_NUM_THREADS", str(args.threads))
     from npuc.apps.sampling import GREEDY, SamplingParams
@@ -83,6 +88,10 @@ def main() -> None:
         times: dict[str, list[float]] = {"off": [], method: []}
         outs: dict[str, list[int]] = {}
         stats = SpeculationStats()
+        if args.c:
+            print(json.dumps({"prompt": name, "loop": "libnpucrt", **c_loop(args, s, prompt, sampling, extra)}),
+                  flush=True)
+            continue
         for rnd in range(args.rounds):
             for m in ("off", method) if rnd % 2 == 0 else (method, "off"):  # either first in turn
                 st = SpeculationStats()
@@ -100,6 +109,37 @@ def main() -> None:
                           f"tokens_per_s_{method}": round(tps[method], 1),
                           "ratio": round(statistics.median(ratios), 3),
                           "same_tokens": outs["off"] == outs[method], **stats.as_dict()}), flush=True)
+
+
+def c_loop(args: argparse.Namespace, s: Any, prompt: list[int], sampling: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The same prompt through libnpucrt's own loop (NativeSession.generate), without drafts and
+    with n-gram drafts of the verify program's K tokens, in turn."""
+    from npuc.apps.sampling import TokenChooser
+    from npuc.runtime.native_session import NativeSession
+
+    if not isinstance(s, NativeSession):
+        raise SystemExit("--c needs the native runtime (libnpucrt)")
+    k = int(s.programs["verify"].inputs[0].shape[1]) - 1
+    spec = (k, extra.get("ngram_min", 2), 4, 1.0)
+    times: dict[str, list[float]] = {"off": [], "ngram": []}
+    outs: dict[str, list[int]] = {}
+    stats: Any = None
+    for rnd in range(args.rounds):
+        for m in ("off", "ngram") if rnd % 2 == 0 else ("ngram", "off"):
+            chooser = None if sampling.plain else TokenChooser(sampling, prompt, args.new, 1 << 20, ())
+            t = time.perf_counter()
+            out, st = s.generate([prompt], args.new, spec if m == "ngram" else None,
+                                 [chooser._c if chooser else None])
+            times[m].append(time.perf_counter() - t)
+            outs[m] = out[0]
+            if m == "ngram":
+                stats = st
+    ratios = [a / b for a, b in zip(times["off"], times["ngram"], strict=True)]
+    return {"tokens_per_s_plain": round(args.new / statistics.median(times["off"]), 1),
+            "tokens_per_s_ngram": round(args.new / statistics.median(times["ngram"]), 1),
+            "ratio": round(statistics.median(ratios), 3), "same_tokens": outs["off"] == outs["ngram"],
+            "steps": stats.steps, "verify_steps": stats.verify_steps, "drafted_tokens": stats.drafted,
+            "accepted_tokens": stats.accepted, "tokens_per_step": round(stats.tokens / max(stats.steps, 1), 3)}
 
 
 if __name__ == "__main__":

@@ -266,6 +266,38 @@ typedef struct npuc_sequence {
 int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
                   npuc_error *err);
 
+/* Speculative decoding in the generation loop (prompt lookup). On a model compiled with
+ * --speculative_tokens K (a `verify` program of K + 1 tokens of each slot), each greedy sequence
+ * drafts up to `tokens` tokens a step from its own prompt and output: the tokens that followed the
+ * latest earlier occurrence of its last n tokens (n from ngram_max down to ngram_min). One verify
+ * step checks every slot's drafts; a slot keeps its drafts up to the first one greedy decode would
+ * not choose, and the token chosen there: the tokens are greedy decode's, one to K + 1 a step. A
+ * model with recurrent state is rolled back to the last kept row (npuc_session_rollback). A verify
+ * step runs only where each sequence's acceptance so far and both programs' measured step times
+ * say it gives at least `min_gain` times plain decode's tokens a second (0: whenever a draft is
+ * found); so text the drafts do not predict runs at plain decode's speed. Sequences that sample
+ * are not drafted for (their tokens are drawn as without speculation). */
+typedef struct npuc_speculation {
+    int32_t tokens;    /* drafted tokens a step, 1..K; 0: no speculation */
+    int32_t ngram_min; /* 1..ngram_max (2 is the usual) */
+    int32_t ngram_max; /* ..32 (4 is the usual) */
+    float min_gain;    /* 1 is the usual; 0 verifies every draft found */
+} npuc_speculation;
+
+typedef struct npuc_speculation_stats {
+    int64_t steps;        /* decode and verify steps run */
+    int64_t verify_steps;
+    int64_t drafted;      /* draft tokens checked */
+    int64_t accepted;     /* of them, kept */
+    int64_t tokens;       /* tokens chosen by the steps */
+} npuc_speculation_stats;
+
+/* npuc_generate with speculation: `spec` NULL (or tokens 0) is npuc_generate. NPUC_E_NO_PROGRAM for
+ * a model without a verify program, NPUC_E_ARG for a value out of range. `stats`, if not NULL,
+ * receives the counts. */
+int npuc_generate_speculative(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, const npuc_speculation *spec,
+                              npuc_speculation_stats *stats, npuc_token_callback cb, void *user, npuc_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -61,6 +61,21 @@ class _Sequence(ctypes.Structure):
                 ("finish_reason", ctypes.c_int32), ("sampling", ctypes.c_void_p)]
 
 
+class Speculation(ctypes.Structure):
+    """npuc_speculation (npuc_generate_speculative's): drafted tokens a step (0: off), the n-gram
+    sizes, and the expected gain below which a step runs plain decode."""
+
+    _fields_ = [("tokens", ctypes.c_int32), ("ngram_min", ctypes.c_int32), ("ngram_max", ctypes.c_int32),
+                ("min_gain", ctypes.c_float)]
+
+
+class SpeculationStats(ctypes.Structure):
+    """npuc_speculation_stats: steps, verify steps, draft tokens checked and kept, tokens chosen."""
+
+    _fields_ = [("steps", ctypes.c_int64), ("verify_steps", ctypes.c_int64), ("drafted", ctypes.c_int64),
+                ("accepted", ctypes.c_int64), ("tokens", ctypes.c_int64)]
+
+
 # Exit codes by family, as errors.py's callers give them.
 def _exit_code(code: int) -> int:
     return EXIT_USAGE if 100 <= code < 200 else EXIT_IO
@@ -95,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "npuc_session_profile_step": [P, I32, I32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p),
                                       ctypes.POINTER(U64)],
         "npuc_generate": [P, P, I32, P, P, E],
+        "npuc_generate_speculative": [P, P, I32, ctypes.POINTER(Speculation), ctypes.POINTER(SpeculationStats), P,
+                                      P, E],
         "npuc_prefill": [P, I32, P, I32, P, P, E],
         "npuc_decode_step": [P, P, P, P, P, P, E],
         "npuc_sampling_check": [P, I64, E],
@@ -286,6 +303,30 @@ class NativeSession:
         rc = self.lib.npuc_session_rollback(self._session, slot, row, ctypes.byref(err))
         if rc:
             _raise(err, rc)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 speculation: tuple[int, int, int, float] | None = None,
+                 samplings: list[Any] | None = None) -> tuple[list[list[int]], SpeculationStats]:
+        """The C library's own decode loop (npuc_generate_speculative) over `prompts`, each to
+        max_new_tokens (end-of-sequence ids ignored): each prompt's tokens and the speculation
+        counts. `speculation`: (tokens, ngram_min, ngram_max, min_gain), None for none;
+        `samplings`: each prompt's npuc_sampling structure (apps/sampling.TokenChooser's), or
+        None for greedy."""
+        keep: list[Any] = []
+        seqs = (_Sequence * len(prompts))()
+        for q, p in enumerate(prompts):
+            pa, out = (ctypes.c_int64 * len(p))(*p), (ctypes.c_int64 * max_new_tokens)()
+            keep += [pa, out]
+            one = samplings[q] if samplings else None
+            seqs[q] = _Sequence(pa, len(p), max_new_tokens, 1, out, 0, 0,
+                                ctypes.addressof(one) if one is not None else None)
+        stats, err = SpeculationStats(), _Error()
+        sp = ctypes.byref(Speculation(*speculation)) if speculation else None
+        rc = self.lib.npuc_generate_speculative(self._session, ctypes.cast(seqs, ctypes.c_void_p), len(prompts), sp,
+                                                ctypes.byref(stats), None, None, ctypes.byref(err))
+        if rc:
+            _raise(err, rc)
+        return [[int(seqs[q].out_tokens[i]) for i in range(seqs[q].n_out)] for q in range(len(prompts))], stats
 
     @property
     def prefix_entries(self) -> int:

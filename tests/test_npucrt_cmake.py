@@ -253,6 +253,26 @@ def test_cli_generate_samples_as_npuc_generate(runtime: Runtime, tiny_om: Path) 
     assert bad.returncode == 2 and "NPUC-E0100" in bad.stderr
 
 
+def test_cli_generate_speculates_with_npucs_tokens(runtime: Runtime, checkpoint: Path, tmp_path: Path) -> None:
+    """A model compiled with --speculative_tokens: the C command drafts n-grams and checks them
+    (npuc_generate_speculative), and prints the tokens npuc generate prints; --speculative off
+    and bad flags."""
+    from npuc.compiler.driver import compile_model
+
+    om = compile_model(str(checkpoint), input_shape="input_ids:1,32", output=str(tmp_path / "spec"), max_seq_len=96,
+                       speculative_tokens=4)
+    args = ["--prompt-ids", "5,17,3,99,42,5,17,3,99,42,5,17", "--max-new-tokens", "24", "--ignore-eos"]
+    r = npucrt(runtime, "generate", om, *args, "--timing")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == npuc("generate", om, *args, "--speculative", "off")
+    assert re.search(r"npucrt: speculation: \d+ steps, [1-9]\d* verify, \d+ drafted", r.stderr), r.stderr
+    off = npucrt(runtime, "generate", om, *args, "--timing", "--speculative", "off", "--ngram-min=1")
+    assert off.returncode == 0 and off.stdout == r.stdout and "speculation:" not in off.stderr
+    for bad in (["--speculative", "maybe"], ["--ngram-max", "40"], ["--ngram-min", "5", "--ngram-max", "3"]):
+        e = npucrt(runtime, "generate", om, *args, *bad)
+        assert e.returncode == 2 and "NPUC-E0100" in e.stderr and bad[0] in e.stderr, e.stderr
+
+
 def test_cli_info(runtime: Runtime, tiny_om: Path) -> None:
     r = npucrt(runtime, "info", tiny_om)
     assert r.returncode == 0, r.stderr

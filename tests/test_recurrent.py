@@ -296,6 +296,47 @@ def test_speculation_on_the_c_and_reference_executors(recurrent_models: dict[str
         assert got == want and 0 < stats.accepted < stats.drafted, type(s).__name__
 
 
+@pytest.mark.parametrize("fam", ["qwen3_5_text", "mamba2"])
+def test_the_c_decode_loop_speculates_over_recurrent_state(fam: str,
+                                                          recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+    """npuc_generate_speculative on a recurrent model: each verify step's slots are rolled back
+    to their last kept row in C; the tokens are npuc_generate's, requests reusing slots."""
+    from test_speculative import c_generate
+
+    from npuc.runtime.native_session import runtime_library
+
+    if runtime_library() is None:
+        pytest.skip("no C compiler: the native runtime is not built")
+    _, _, many = recurrent_models[fam]
+    prompts = [p * 2 for p in PROMPTS]  # repeats: the n-grams find drafts
+    want, plain = c_generate(many, prompts, 16)
+    got, stats = c_generate(many, prompts, 16, (K, 1, 3, 0.0))
+    assert got == want
+    assert stats.verify_steps > 0 and stats.drafted > stats.accepted and stats.steps <= plain.steps
+
+
+def test_the_c_decode_loops_speculation_under_the_sanitizers(recurrent_models: dict[str, tuple[Path, Path, Path]],
+                                                             tmp_path: Path) -> None:
+    """npucrt/tests/generate_driver.c under ASan and UBSan: npuc_generate_speculative's drafts,
+    verify steps and rollbacks over six requests in four slots (a prompt longer than the
+    prefill fed through decode steps), the tokens npuc_generate's; the refusals."""
+    import subprocess
+
+    import npucrt_util
+
+    if npucrt_util.compiler() is None:
+        pytest.skip("no C compiler")
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([npucrt_util.compiler(), "-std=c11", "-fsyntax-only", *npucrt_util.WARNINGS,
+                    f"-I{root / 'include'}", f"-I{root / 'npucrt' / 'src'}", str(root / "npucrt/src/decode.c"),
+                    str(root / "npucrt/tests/generate_driver.c")], check=True, capture_output=True, timeout=120)
+    exe = npucrt_util.build_exe(tmp_path, "npucrt/tests/generate_driver.c", sanitize=True, warnings=False)
+    for fam in ("mamba2", "qwen3_5_text"):
+        r = subprocess.run([str(exe), str(recurrent_models[fam][2]), "16"], capture_output=True, text=True,
+                           timeout=300)
+        assert (r.returncode, r.stdout) == (0, "ok\n"), f"{fam}: {r.stderr[-2000:]}"
+
+
 def test_rollback_restores_a_rows_state_and_refuses_what_it_cannot(
         recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
     """After a verify step of four rows, rolling back to row 1 gives the state two decode

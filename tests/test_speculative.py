@@ -84,6 +84,53 @@ def test_greedy_output_is_unchanged_by_speculation(arch: str, spec_models: dict[
     assert stats.tokens == plain.tokens and stats.steps < plain.steps or stats.accepted == 0
 
 
+def c_generate(om: Path, prompts: list[list[int]], n: int, spec: tuple[int, int, int, float] | None = None,
+               sampling: list[SamplingParams | None] | None = None) -> tuple[list[list[int]], Any]:
+    """The C API's own decode loop (NativeSession.generate: npuc_generate_speculative): each
+    prompt's tokens, and the speculation counts."""
+    choosers = [TokenChooser(sp, p, n, 1 << 20, ()) if sp else None
+                for sp, p in zip(sampling or [None] * len(prompts), prompts, strict=True)]
+    return NativeSession(str(om)).generate(prompts, n, spec, [c._c if c else None for c in choosers])
+
+
+@native
+@pytest.mark.parametrize("arch", GEN_ARCHS)
+def test_the_c_decode_loop_speculates_with_the_greedy_tokens(arch: str, spec_models: dict[str, Path]) -> None:
+    """npuc_generate_speculative: the tokens npuc_generate gives, with drafts checked and kept
+    (every draft found is verified at min_gain 0; at 1 the step times decide)."""
+    want, plain = c_generate(spec_models[arch], PROMPTS, 40)
+    assert plain.verify_steps == 0 and plain.tokens == 80
+    got, stats = c_generate(spec_models[arch], PROMPTS, 40, (K, 2, 4, 0.0))
+    assert got == want
+    assert stats.verify_steps > 0 and stats.accepted > 0 and stats.steps < plain.steps
+    assert stats.tokens == plain.tokens and 0 < stats.accepted <= stats.drafted
+    got, _ = c_generate(spec_models[arch], PROMPTS, 40, (2, 1, 3, 1.0))
+    assert got == want
+
+
+@native
+def test_the_c_decode_loop_draws_sampled_tokens_as_without_speculation(spec_models: dict[str, Path]) -> None:
+    """A sampled sequence beside a greedy one that speculates: its draws are plain decode's."""
+    one = SamplingParams(temperature=0.9, top_k=30, seed=5)
+    want, _ = c_generate(spec_models["llama"], PROMPTS, 30, sampling=[None, one])
+    got, stats = c_generate(spec_models["llama"], PROMPTS, 30, (K, 2, 4, 0.0), sampling=[None, one])
+    assert got == want and stats.verify_steps > 0
+
+
+@native
+def test_the_c_decode_loop_refuses_speculation_it_cannot_run(spec_models: dict[str, Path],
+                                                            gen_models: dict[str, Path]) -> None:
+    with pytest.raises(NpucError, match="no verify program") as e:
+        c_generate(gen_models["llama"], PROMPTS[:1], 4, (2, 2, 4, 1.0))
+    assert e.value.code == "NPUC-E0111" and "--speculative_tokens" in e.value.hint
+    for bad, why in [((K + 1, 2, 4, 1.0), "checks 1..4"), ((2, 0, 4, 1.0), "n-gram sizes"),
+                     ((2, 3, 2, 1.0), "n-gram sizes"), ((2, 2, 4, -1.0), "min_gain")]:
+        with pytest.raises(NpucError, match=why):
+            c_generate(spec_models["llama"], PROMPTS[:1], 4, bad)
+    assert c_generate(gen_models["llama"], PROMPTS[:1], 4, (0, 2, 4, 1.0))[0] == c_generate(
+        gen_models["llama"], PROMPTS[:1], 4)[0]  # tokens 0: no speculation, any model
+
+
 def test_greedy_output_is_unchanged_on_the_reference_executor(spec_models: dict[str, Path]) -> None:
     s = Session.load(str(spec_models["llama"]), use_native=False)
     want, _ = _run(s, PROMPTS, SpeculativeConfig(method="off"), n=24)

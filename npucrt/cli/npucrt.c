@@ -5,6 +5,7 @@
  *   npucrt generate MODEL.om --prompt-ids 1,2,3 [--prompt-ids ...] [--max-new-tokens N] [--ignore-eos]
  *                  [--threads T] [--timing] [--temperature F --top-p F --top-k N --min-p F --seed N
  *                  --repetition-penalty F --presence-penalty F --frequency-penalty F]
+ *                  [--speculative ngram|off] [--ngram-min N] [--ngram-max N]
  *
  * Built on include/npucrt.h only: it doubles as an example of the API. Its output and its
  * errors are `npuc`'s (cli/main.py): `generate` prints the same tokens in the same form, and a
@@ -1038,9 +1039,25 @@ static int parse_ids(const char *text, int64_t **out, int32_t *n_out) {
     return 0;
 }
 
+/* The drafted tokens a step for --speculative: the verify program's K where the model has one
+ * (`tokens` -1: speculate where it can, as npuc generate does), else 0. */
+static int32_t verify_tokens(const npuc_model *m) {
+    int32_t count = 0;
+    const char *name = NULL;
+    npuc_tensor_info info;
+    npuc_model_program_count(m, &count);
+    for (int32_t p = 0; p < count; p++) {
+        if (npuc_model_program_name(m, p, &name) == NPUC_OK && strcmp(name, "verify") == 0 &&
+            npuc_model_input(m, p, 0, &info) == NPUC_OK && info.rank == 2 && info.shape[1] > 1) {
+            return (int32_t)(info.shape[1] - 1);
+        }
+    }
+    return 0;
+}
+
 static int cmd_generate(const char *path, const char *const *prompts, int n_prompts, int32_t max_new,
                         int ignore_eos, int threads, int timing, int verify, const npuc_sampling *sampling,
-                        double t_start) {
+                        const npuc_speculation *speculation, double t_start) {
     npuc_model *m = NULL;
     npuc_session *s = NULL;
     npuc_sequence *seqs = calloc((size_t)n_prompts, sizeof *seqs);
@@ -1074,7 +1091,12 @@ static int cmd_generate(const char *path, const char *const *prompts, int n_prom
     gen_state g = {.stream = n_prompts == 1, .seqs = lists};
     npuc_error err = {0};
     double t_gen = now_s();
-    int st = npuc_generate(s, seqs, n_prompts, on_token, &g, &err);
+    npuc_speculation spec = *speculation;
+    if (spec.tokens < 0) {
+        spec.tokens = verify_tokens(m);
+    }
+    npuc_speculation_stats stats = {0};
+    int st = npuc_generate_speculative(s, seqs, n_prompts, &spec, &stats, on_token, &g, &err);
     double t_end = now_s();
     if (g.stream && (st == NPUC_OK || lists[0].n > 0)) {
         printf("\n"); /* ends the line of tokens (an empty one when none came, as npuc prints) */
@@ -1111,6 +1133,12 @@ static int cmd_generate(const char *path, const char *const *prompts, int n_prom
                 (t_gen - t_load) * 1e3, g.total ? (g.t_first - t_start) * 1e3 : 0.0,
                 g.total ? (g.t_first - t_gen) * 1e3 : 0.0, decoded, g.total ? span * 1e3 : 0.0,
                 decoded > 0 && span > 0 ? (double)decoded / span : 0.0);
+        if (spec.tokens > 0) {
+            fprintf(stderr, "npucrt: speculation: %" PRId64 " steps, %" PRId64 " verify, %" PRId64 " drafted, %" PRId64
+                    " accepted (%.2f), %.2f tokens a step\n", stats.steps, stats.verify_steps, stats.drafted,
+                    stats.accepted, stats.drafted ? (double)stats.accepted / (double)stats.drafted : 0.0,
+                    stats.steps ? (double)stats.tokens / (double)stats.steps : 0.0);
+        }
     }
     rc = 0;
 done:
@@ -1141,7 +1169,10 @@ static const char USAGE[] =
     "                  [--ignore-eos] [--threads T] [--timing] [--no-verify]\n"
     "                  [--temperature F] [--top-p F] [--top-k N] [--min-p F] [--seed N]\n"
     "                  [--repetition-penalty F] [--presence-penalty F] [--frequency-penalty F]\n"
+    "                  [--speculative ngram|off] [--ngram-min N] [--ngram-max N]\n"
     "      greedy decoding, or sampled (--temperature above 0; prompt i draws with seed N + i);\n"
+    "      a model compiled with --speculative_tokens K drafts greedy tokens from the sequence's\n"
+    "      own (n-grams of 2 to 4 tokens) and checks them K at a time, unless --speculative off;\n"
     "      one prompt: its new token ids on one line, as they come;\n"
     "      several: one JSON line each, {\"index\", \"token_ids\"}, in order\n";
 
@@ -1223,6 +1254,8 @@ int main(int argc, char **argv) {
     long long threads = 0, max_new = 32, number = 0;
     npuc_sampling sampling;
     npuc_sampling_default(&sampling);
+    npuc_speculation speculation = {-1, 2, 4, 1.0f}; /* -1: where the model has a verify program */
+    long long ngram = 0;
     static const char *const float_flags[] = {"--temperature", "--top-p", "--min-p", "--repetition-penalty",
                                               "--presence-penalty", "--frequency-penalty"};
     float *const float_fields[] = {&sampling.temperature, &sampling.top_p, &sampling.min_p,
@@ -1307,6 +1340,24 @@ int main(int argc, char **argv) {
                 goto out;
             }
             sampling.seed = (uint64_t)number, sampled = 1;
+        } else if (is_gen && (r = flag_value(argc, argv, &i, "--speculative", &value)) != 0) {
+            if (r < 0 || (strcmp(value, "ngram") != 0 && strcmp(value, "off") != 0)) {
+                rc = usage_error(cmd, "--speculative takes ngram or off, not '%s'", r < 0 ? "" : value);
+                goto out;
+            }
+            speculation.tokens = strcmp(value, "off") == 0 ? 0 : -1;
+        } else if (is_gen && (r = flag_value(argc, argv, &i, "--ngram-min", &value)) != 0) {
+            if (r < 0 || parse_int(value, 1, 32, &ngram) != 0) {
+                rc = usage_error(cmd, "--ngram-min takes an integer from 1 to 32, not '%s'", r < 0 ? "" : value);
+                goto out;
+            }
+            speculation.ngram_min = (int32_t)ngram;
+        } else if (is_gen && (r = flag_value(argc, argv, &i, "--ngram-max", &value)) != 0) {
+            if (r < 0 || parse_int(value, 1, 32, &ngram) != 0) {
+                rc = usage_error(cmd, "--ngram-max takes an integer from 1 to 32, not '%s'", r < 0 ? "" : value);
+                goto out;
+            }
+            speculation.ngram_max = (int32_t)ngram;
         } else if (is_gen && is_flag(a, "--ignore-eos")) {
             ignore_eos = 1;
         } else if (is_gen && is_flag(a, "--timing")) {
@@ -1340,9 +1391,17 @@ int main(int argc, char **argv) {
             rc = report_lib(r, &err, "checking the sampling flags");
             goto out;
         }
+        if (speculation.ngram_min > speculation.ngram_max) {
+            char both[64];
+            snprintf(both, sizeof both, "%d above --ngram-max %d", (int)speculation.ngram_min,
+                     (int)speculation.ngram_max);
+            rc = usage_error(cmd, "--ngram-min %s", both);
+            goto out;
+        }
         /* More than INT32_MAX new tokens is "until the cache is full" all the same. */
         rc = cmd_generate(model, prompts, n_prompts, max_new > INT32_MAX ? INT32_MAX : (int32_t)max_new,
-                          ignore_eos, (int)threads, timing, verify, sampled ? &sampling : NULL, t_start);
+                          ignore_eos, (int)threads, timing, verify, sampled ? &sampling : NULL, &speculation,
+                          t_start);
     }
 out:
     for (int k = 0; inputs && k < n_inputs; k++) {

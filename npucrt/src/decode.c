@@ -9,6 +9,11 @@
  * decode overwrites the rows after it before any query sees them. Its decode runs C tokens
  * (--decode_tokens) of every slot, each at its own positions.
  *
+ * npuc_generate_speculative adds the scheduler's n-gram speculation (apps/speculative.py): on a
+ * model with a verify program, greedy sequences' drafts are checked K + 1 rows a step where the
+ * measured step times say it pays, and a recurrent model's slots are rolled back to their last
+ * kept row.
+ *
  * A slot that has nothing to feed in a step still runs (static shapes). It is fed again the
  * last (token, position) it wrote, which writes the same key and value again: the same
  * computation over the same cache rows, so the same bytes. A slot that never held a sequence
@@ -16,10 +21,12 @@
  * writes them; one loaded with a prefix of n positions (prefix.c), token 0 at position n,
  * which its next step writes before any query reads it.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "exec.h"
 
@@ -395,6 +402,8 @@ typedef struct {
     int64_t pos;        /* the position the next fed token is written at */
     int32_t next;       /* the prompt's next token to feed */
     int64_t pending;    /* the last chosen token, to feed; -1 none */
+    double alpha;       /* speculation: the estimated chance that a draft token is kept */
+    int64_t shadow;     /* speculation: the first token drafted on a plain step, checked after it; -1 none */
 } slot_state;
 
 static int is_eos(const npuc_generation_info *g, int64_t t) {
@@ -432,14 +441,168 @@ static int32_t longest_output(const npuc_sequence *seqs, int32_t n) {
     return most;
 }
 
-int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
-                  npuc_error *err) {
+/* ---- speculation (apps/speculative.py's, for greedy sequences and n-gram drafts) --------- */
+
+typedef struct {
+    int32_t prog, i_ids, i_pos, o_logits; /* the verify program, -1 none */
+    int32_t rows;                         /* its K + 1 tokens of each slot */
+    int rollback;                         /* recurrent state kept by row (npuc_session_rollback) */
+} verify_prog;
+
+/* The verify program where it has decode's inputs at K + 1 tokens of each slot and every row's
+ * logits; prog -1 otherwise. */
+static verify_prog find_verify(const npuc_model *m) {
+    verify_prog v = {-1, -1, -1, -1, 0, 0};
+    const npuc_generation_info *g = &m->gen;
+    int32_t vp = find_program(m, "verify"), pf = find_program(m, "prefill");
+    if (vp < 0 || pf < 0 || m->programs[vp].n_inputs != 2) return v;
+    int32_t ids = find_input(m, vp, m->tensors[m->programs[pf].inputs[ids_input(m, pf)]].name);
+    int32_t lo = find_output(m, vp, "logits");
+    if (ids < 0 || lo < 0) return v;
+    const rt_tensor *it = &m->tensors[m->programs[vp].inputs[ids]];
+    const rt_tensor *pt = &m->tensors[m->programs[vp].inputs[1 - ids]];
+    const rt_tensor *lt = &m->tensors[m->programs[vp].outputs[lo]];
+    if (it->rank != 2 || it->dtype != NPUC_I64 || it->shape[0] != g->slots || it->shape[1] < 2 ||
+        pt->dtype != NPUC_I64 || pt->nbytes != it->nbytes || lt->rank != 3 || lt->dtype != NPUC_F32 ||
+        lt->shape[0] != g->slots || lt->shape[1] != it->shape[1] || lt->shape[2] != g->logits_width)
+        return v;
+    v.prog = vp, v.i_ids = ids, v.i_pos = 1 - ids, v.o_logits = lo, v.rows = (int32_t)it->shape[1];
+    for (int32_t i = 0; i < m->n_tensors && !v.rollback; i++)
+        v.rollback = m->tensors[i].region == REGION_STATE && ends_with(m->tensors[i].name, ".by_row");
+    return v;
+}
+
+/* The sequence's token i: its prompt's, then its output's. */
+static int64_t token_at(const npuc_sequence *q, const int64_t *out, int64_t i) {
+    return i < q->prompt_len ? q->prompt[i] : out[i - q->prompt_len];
+}
+
+/* Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens, n
+ * from ngram_max down to ngram_min (NgramIndex.draft): a copy that runs past the sequence's end
+ * goes on with its own tokens (a repeating stretch is drafted as repeating on). A scan back over
+ * the sequence: O(length x n) a call, microseconds beside a step. */
+static int32_t ngram_draft(const npuc_sequence *q, const int64_t *out, const npuc_speculation *sp, int32_t k,
+                           int64_t *draft) {
+    int64_t L = (int64_t)q->prompt_len + q->n_out;
+    for (int64_t n = L - 1 < sp->ngram_max ? L - 1 : sp->ngram_max; n >= sp->ngram_min; n--)
+        for (int64_t at = L - n - 1; at >= 0; at--) {
+            int64_t i = 0;
+            while (i < n && token_at(q, out, at + i) == token_at(q, out, L - n + i)) i++;
+            if (i < n) continue;
+            for (int32_t j = 0; j < k; j++) {
+                int64_t from = at + n + j;
+                draft[j] = from < L ? token_at(q, out, from) : draft[from - L];
+            }
+            return k;
+        }
+    return 0;
+}
+
+/* Expected kept tokens of an m-token draft: each in turn while all before it were kept. */
+static double expected_kept(double alpha, int32_t m) {
+    double total = 0, p = 1;
+    for (int32_t i = 0; i < m; i++) p *= alpha, total += p;
+    return total;
+}
+
+/* The two programs' step times (apps/speculative.StepTimes): moving averages that follow a
+ * faster step at once and a slower one slowly, each program's first two runs not counted; and
+ * the probes that re-measure verify after PROBE_EVERY plain steps with drafts (doubling, up to
+ * PROBE_MOST, while probes fail). */
+enum { WARM_RUNS = 2, PROBE_EVERY = 64, PROBE_MOST = 1024 };
+typedef struct {
+    double decode, verify; /* seconds; < 0 unknown */
+    int32_t ran_decode, ran_verify;
+    int64_t since_verify, probe_every;
+    int probed;
+} step_times;
+
+static double cost_average(double old, double seconds) {
+    return old < 0 ? seconds : old + (seconds < old ? 0.5 : 0.2) * (seconds - old);
+}
+
+static void times_add(step_times *t, int verify, double seconds) {
+    t->since_verify = verify ? 0 : t->since_verify + 1;
+    int32_t *ran = verify ? &t->ran_verify : &t->ran_decode;
+    double *avg = verify ? &t->verify : &t->decode;
+    if (++*ran > WARM_RUNS) *avg = cost_average(*avg, seconds);
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int spec_check(const npuc_speculation *sp, const verify_prog *v, npuc_error *err) {
+    if (sp == NULL || sp->tokens == 0) return 0;
+    if (v->prog < 0)
+        return rt_fail(err, NPUC_E_NO_PROGRAM, "compile the model with --speculative_tokens K",
+                       "the model has no verify program to check drafts with");
+    if (sp->tokens < 0 || sp->tokens > v->rows - 1)
+        return rt_fail(err, NPUC_E_ARG, "", "speculation.tokens is %d; the verify program checks 1..%d",
+                       (int)sp->tokens, (int)v->rows - 1);
+    if (sp->ngram_min < 1 || sp->ngram_max < sp->ngram_min || sp->ngram_max > 32)
+        return rt_fail(err, NPUC_E_ARG, "", "n-gram sizes %d..%d are not 1 <= min <= max <= 32",
+                       (int)sp->ngram_min, (int)sp->ngram_max);
+    if (!(sp->min_gain >= 0) || !isfinite(sp->min_gain))
+        return rt_fail(err, NPUC_E_ARG, "", "speculation.min_gain is not a finite number >= 0");
+    return 0;
+}
+
+/* One verify step: each slot's rows are its pending token, then its drafts (drafts + k * R,
+ * n_draft[k] of them), then padding: the last real row again (its key and value rewritten), or,
+ * on a model with recurrent state, the last token at the positions after it, so that the state
+ * kept after the last real row is the one rolled back to. Slots without a sequence repeat the
+ * last (token, position) they wrote. Every row's logits stay in the program's output. */
+static int verify_run(npuc_session *s, const verify_prog *v, const slot_state *sl, const int64_t *drafts,
+                      const int32_t *n_draft, int64_t *ids, const float **logits, npuc_error *err) {
+    const npuc_model *m = rt_session_model(s);
+    const npuc_generation_info *g = &m->gen;
+    const int32_t B = g->slots, R = v->rows;
+    int64_t *pos = ids + (int64_t)B * R, *track = rt_session_slot_track(s);
+    for (int32_t k = 0; k < B; k++) {
+        int64_t *ik = ids + (int64_t)k * R, *pk = pos + (int64_t)k * R;
+        int32_t real = 0;
+        if (sl[k].seq >= 0) {
+            ik[0] = sl[k].pending, pk[0] = sl[k].pos, real = 1;
+            for (int32_t i = 0; i < n_draft[k]; i++, real++)
+                ik[real] = drafts[(int64_t)k * R + i], pk[real] = sl[k].pos + real;
+        } else {
+            ik[0] = track[2 * k] >= 0 ? track[2 * k] : 0;
+            pk[0] = track[2 * k] >= 0 ? track[2 * k + 1] : 0;
+            real = 1;
+        }
+        for (int32_t i = real; i < R; i++) {
+            int64_t after = pk[real - 1] + (i - real + 1);
+            ik[i] = ik[real - 1];
+            pk[i] = v->rollback && sl[k].seq >= 0 ? (after < g->max_seq_len ? after : g->max_seq_len - 1)
+                                                   : pk[real - 1];
+        }
+    }
+    uint64_t n = (uint64_t)B * (uint64_t)R * sizeof(int64_t);
+    int rc = rt_session_set_input(s, v->prog, v->i_ids, ids, n, err);
+    if (!rc) rc = rt_session_set_input(s, v->prog, v->i_pos, pos, n, err);
+    if (!rc) rc = rt_session_execute(s, v->prog, err);
+    if (rc) return rc;
+    const void *view;
+    npuc_session_output_view(s, v->prog, v->o_logits, &view);
+    *logits = view;
+    return 0;
+}
+
+int npuc_generate_speculative(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, const npuc_speculation *spec,
+                              npuc_speculation_stats *stats, npuc_token_callback cb, void *user, npuc_error *err) {
     if (s == NULL || (n_seqs > 0 && seqs == NULL)) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
     const npuc_model *m = rt_session_model(s);
     if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
     const npuc_generation_info *g = &m->gen;
+    const verify_prog vp = find_verify(m);
+    int rc = spec_check(spec, &vp, err);
+    if (rc) return rc;
+    const npuc_speculation *sp = spec != NULL && spec->tokens > 0 ? spec : NULL;
     for (int32_t q = 0; q < n_seqs; q++) { /* every prompt before any runs */
-        int rc = prompt_ok(m, seqs[q].prompt, seqs[q].prompt_len, err);
+        rc = prompt_ok(m, seqs[q].prompt, seqs[q].prompt_len, err);
         if (rc) return rc;
         if (seqs[q].max_new_tokens < 1)
             return rt_fail(err, NPUC_E_PROMPT, "ask for at least one token", "max_new_tokens is %d",
@@ -450,23 +613,28 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
         }
         seqs[q].n_out = 0, seqs[q].finish_reason = 0;
     }
-    int32_t B = g->slots, C = g->decode_tokens;
+    npuc_speculation_stats st0 = {0};
+    int32_t B = g->slots, C = g->decode_tokens, R = sp != NULL ? vp.rows : 1;
     int64_t V = g->logits_width;
+    int32_t W = C > R ? C : R; /* ids and positions of the widest step */
     slot_state *sl = calloc((size_t)B, sizeof *sl);
-    int64_t *ids = calloc((size_t)(2 * B * C), sizeof(int64_t));
+    int64_t *ids = calloc((size_t)(2 * B * W), sizeof(int64_t));
     int32_t *fed = calloc((size_t)B, sizeof(int32_t));
     float *row = malloc((size_t)(V * B) * sizeof(float));
     int64_t *next = calloc((size_t)B, sizeof(int64_t));
+    int64_t *drafts = calloc((size_t)(B * R), sizeof(int64_t));
+    int32_t *n_draft = calloc((size_t)B, sizeof(int32_t));
     /* each slot's own record of its sequence's tokens, where the caller keeps none */
     int32_t most = longest_output(seqs, n_seqs);
     int64_t *outs = calloc((size_t)B * (size_t)most, sizeof(int64_t));
     size_t work_bytes = npuc_sample_work_bytes(V);
     void *work = malloc(work_bytes);
-    int rc = 0;
-    if (sl == NULL || ids == NULL || fed == NULL || row == NULL || next == NULL || outs == NULL || work == NULL)
+    if (sl == NULL || ids == NULL || fed == NULL || row == NULL || next == NULL || outs == NULL || work == NULL ||
+        drafts == NULL || n_draft == NULL)
         rc = rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    step_times times = {-1, -1, 0, 0, 0, PROBE_EVERY, 0};
     int64_t *pos = ids + (int64_t)B * C;
-    for (int32_t k = 0; k < B; k++) sl[k].seq = -1;
+    for (int32_t k = 0; k < B && !rc; k++) sl[k].seq = -1;
     int32_t queued = 0;
     while (!rc) {
         int active = 0;
@@ -477,8 +645,9 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             npuc_sequence *q = &seqs[queued];
             slot_state *st = &sl[k];
             st->seq = queued++;
-            st->pending = -1;
+            st->pending = -1, st->alpha = 0.7, st->shadow = -1;
             st->out = q->out_tokens != NULL ? q->out_tokens : outs + (size_t)k * (size_t)most;
+            if (sp != NULL) times.probe_every = PROBE_EVERY; /* a new sequence's drafts may pay */
             if (C > 1 && active) { /* slots are decoding: the prompt goes through decode steps (chunked prefill) */
                 st->pos = 0, st->next = 0;
                 active++;
@@ -499,6 +668,72 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             if (queued >= n_seqs) break;
             continue;
         }
+        /* the plan (Scheduler._plan): verify where the drafts found are expected to pay */
+        int verify = 0, found = 0;
+        if (sp != NULL) {
+            double plain = 0, speculated = 0;
+            int feeding = 0;
+            for (int32_t k = 0; k < B; k++) {
+                slot_state *st = &sl[k];
+                n_draft[k] = 0;
+                if (st->seq < 0) continue;
+                const npuc_sequence *q = &seqs[st->seq];
+                feeding |= st->next < q->prompt_len || st->pending < 0;
+                plain += 1, speculated += 1;
+                if (q->sampling != NULL || times.decode < 0) continue; /* drafts once decode's cost is known */
+                int64_t room = sp->tokens;
+                if (q->max_new_tokens - q->n_out - 1 < room) room = q->max_new_tokens - q->n_out - 1;
+                if (g->max_seq_len - 1 - st->pos < room) room = g->max_seq_len - 1 - st->pos;
+                if (room <= 0) continue;
+                n_draft[k] = ngram_draft(q, st->out, sp, (int32_t)room, drafts + (int64_t)k * R);
+                speculated += expected_kept(st->alpha, n_draft[k]);
+                found |= n_draft[k] > 0;
+            }
+            if (found && !feeding) { /* a prompt still fed goes through decode steps first */
+                int probe = times.since_verify >= times.probe_every;
+                double ratio = times.decode > 0 && times.verify >= 0 ? times.verify / times.decode : 1.5;
+                int pays = speculated > plain && speculated / ratio >= plain * sp->min_gain;
+                if (pays) times.probe_every = PROBE_EVERY;
+                else if (!probe && times.probed && times.probe_every < PROBE_MOST) times.probe_every *= 2;
+                times.probed = !pays && probe;
+                verify = pays || probe;
+            }
+            if (!verify)
+                for (int32_t k = 0; k < B; k++) /* checked against the token the plain step chooses */
+                    if (sl[k].seq >= 0) sl[k].shadow = n_draft[k] > 0 && !feeding ? drafts[(int64_t)k * R] : -1;
+        }
+        if (verify) {
+            const float *lg = NULL;
+            double t0 = seconds_now();
+            rc = verify_run(s, &vp, sl, drafts, n_draft, ids, &lg, err);
+            if (rc) break;
+            times_add(&times, 1, seconds_now() - t0);
+            st0.steps++, st0.verify_steps++;
+            int64_t *track = rt_session_slot_track(s), *vpos = ids + (int64_t)B * R;
+            for (int32_t k = 0; k < B && !rc; k++) {
+                slot_state *st = &sl[k];
+                if (st->seq < 0) continue;
+                npuc_sequence *q = &seqs[st->seq];
+                int64_t at = st->pos;
+                int32_t kept = 0; /* the rows whose tokens the cache keeps, but the first */
+                for (int32_t i = 0; i <= n_draft[k] && !rc; i++) {
+                    const float *r = lg + ((int64_t)k * R + i) * V;
+                    st->pos = at + i + 1;
+                    rc = choose(g, q, st->seq, st, r, rt_argmax(r, V), work, work_bytes, cb, user, err);
+                    st0.tokens++;
+                    if (rc || st->seq < 0 || i == n_draft[k]) break;
+                    int ok = st->out[q->n_out - 1] == drafts[(int64_t)k * R + i];
+                    st0.drafted++;
+                    st->alpha += 0.15 * ((ok ? 1.0 : 0.0) - st->alpha);
+                    if (!ok) break;
+                    st0.accepted++, kept++;
+                }
+                if (rc) break;
+                track[2 * k] = ids[(int64_t)k * R + kept], track[2 * k + 1] = vpos[(int64_t)k * R + kept];
+                if (vp.rollback && st->seq >= 0 && kept < R - 1) rc = npuc_session_rollback(s, k, kept, err);
+            }
+            continue;
+        }
         for (int32_t k = 0; k < B; k++) {
             slot_state *st = &sl[k];
             fed[k] = 0;
@@ -513,8 +748,11 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             }
             fed[k] = f;
         }
+        double t0 = seconds_now();
         rc = npuc_decode_step(s, ids, pos, fed, row, next, err);
         if (rc) break;
+        if (sp != NULL) times_add(&times, 0, seconds_now() - t0);
+        st0.steps++;
         for (int32_t k = 0; k < B; k++) {
             slot_state *st = &sl[k];
             if (st->seq < 0 || fed[k] == 0) continue;
@@ -524,10 +762,23 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
             st->next += from_prompt;
             if (fed[k] > from_prompt) st->pending = -1;
             st->pos += fed[k];
-            if (st->next == q->prompt_len && st->pending < 0 && !rc)
+            if (st->next == q->prompt_len && st->pending < 0 && !rc) {
                 rc = choose(g, q, st->seq, st, row + (size_t)k * (size_t)V, next[k], work, work_bytes, cb, user, err);
+                st0.tokens++;
+                if (st->shadow >= 0) { /* what the draft's acceptance would have been */
+                    int ok = q->n_out > 0 && st->out[q->n_out - 1] == st->shadow;
+                    st->alpha += 0.15 * ((ok ? 1.0 : 0.0) - st->alpha);
+                }
+                st->shadow = -1;
+            }
         }
     }
-    free(sl), free(ids), free(fed), free(row), free(next), free(outs), free(work);
+    free(sl), free(ids), free(fed), free(row), free(next), free(outs), free(work), free(drafts), free(n_draft);
+    if (stats != NULL) *stats = st0;
     return rc;
+}
+
+int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_token_callback cb, void *user,
+                  npuc_error *err) {
+    return npuc_generate_speculative(s, seqs, n_seqs, NULL, NULL, cb, user, err);
 }
