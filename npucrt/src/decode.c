@@ -338,6 +338,9 @@ static int32_t state_named(const npuc_model *m, const char *name, size_t n) {
     return -1;
 }
 
+/* A recurrent state's copies by verify row: `<state>.by_row` (backend/om_schema.ROLLBACK_SUFFIX). */
+static const char BY_ROW[] = ".by_row";
+
 static int ends_with(const char *s, const char *tail) {
     size_t a = strlen(s), b = strlen(tail);
     return a >= b && strcmp(s + a - b, tail) == 0;
@@ -348,7 +351,6 @@ int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error
     const npuc_model *m = rt_session_model(s);
     if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
     const int64_t B = m->gen.slots;
-    static const char BY_ROW[] = ".by_row";
     /* every pair checked before any byte moves: <name>.by_row [B, 1, K, n] beside <name> [B, ...]
      * of n values a slot, the same dtype (K: the verify step's rows but its last, whose state is
      * the state's own) */
@@ -468,7 +470,7 @@ static verify_prog find_verify(const npuc_model *m) {
         return v;
     v.prog = vp, v.i_ids = ids, v.i_pos = 1 - ids, v.o_logits = lo, v.rows = (int32_t)it->shape[1];
     for (int32_t i = 0; i < m->n_tensors && !v.rollback; i++)
-        v.rollback = m->tensors[i].region == REGION_STATE && ends_with(m->tensors[i].name, ".by_row");
+        v.rollback = m->tensors[i].region == REGION_STATE && ends_with(m->tensors[i].name, BY_ROW);
     return v;
 }
 
@@ -497,6 +499,9 @@ static int32_t ngram_draft(const npuc_sequence *q, const int64_t *out, const npu
         }
     return 0;
 }
+
+/* A draft token checked (kept or not) moves the slot's estimate (RequestSpeculation.observe). */
+static void observe(slot_state *st, int kept) { st->alpha += 0.15 * ((kept ? 1.0 : 0.0) - st->alpha); }
 
 /* Expected kept tokens of an m-token draft: each in turn while all before it were kept. */
 static double expected_kept(double alpha, int32_t m) {
@@ -724,7 +729,7 @@ int npuc_generate_speculative(npuc_session *s, npuc_sequence *seqs, int32_t n_se
                     if (rc || st->seq < 0 || i == n_draft[k]) break;
                     int ok = st->out[q->n_out - 1] == drafts[(int64_t)k * R + i];
                     st0.drafted++;
-                    st->alpha += 0.15 * ((ok ? 1.0 : 0.0) - st->alpha);
+                    observe(st, ok);
                     if (!ok) break;
                     st0.accepted++, kept++;
                 }
@@ -765,10 +770,8 @@ int npuc_generate_speculative(npuc_session *s, npuc_sequence *seqs, int32_t n_se
             if (st->next == q->prompt_len && st->pending < 0 && !rc) {
                 rc = choose(g, q, st->seq, st, row + (size_t)k * (size_t)V, next[k], work, work_bytes, cb, user, err);
                 st0.tokens++;
-                if (st->shadow >= 0) { /* what the draft's acceptance would have been */
-                    int ok = q->n_out > 0 && st->out[q->n_out - 1] == st->shadow;
-                    st->alpha += 0.15 * ((ok ? 1.0 : 0.0) - st->alpha);
-                }
+                if (st->shadow >= 0) /* what the draft's acceptance would have been */
+                    observe(st, q->n_out > 0 && st->out[q->n_out - 1] == st->shadow);
                 st->shadow = -1;
             }
         }
