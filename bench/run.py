@@ -1214,8 +1214,9 @@ def main(argv: list[str] | None = None) -> None:
         # Its own process: a child forked from this one (models loaded, GBs resident)
         # would report this process's pages as its peak RSS.
         cmd = [sys.executable, str(ROOT / "bench/compile_scale.py"), "--out", str(work / "scale")]
+        # --quick: one round of each (three rounds of page-cache resets took CI two minutes)
         r = subprocess.run(
-            cmd + (["--quick"] if args.quick else []), capture_output=True, text=True, check=True
+            cmd + (["--quick", "--repeat", "1"] if args.quick else []), capture_output=True, text=True, check=True
         )
         scale = json.loads(r.stdout[r.stdout.index("{") :])
     res: dict[str, Any] = {

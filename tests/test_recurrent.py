@@ -24,7 +24,7 @@ from npuc.runtime import Session
 from npuc.tools.om_tools import model_info
 
 # Gated DeltaNet beside attention; Mamba2 alone; Mamba beside attention without positions (NoPE) and MoE:
-# compiled with one slot and with four
+# compiled with four slots, and the first two with one too (Jamba's one-slot model: test_model_matrix)
 FAMILIES = ["qwen3_5_text", "mamba2", "jamba"]
 # and, with four slots only (tests/test_model_matrix.py generates every family with one): the rest of
 # the issue's list, and the other recurrences (RWKV's WKV, RecurrentGemma's RG-LRU, MiniMax's lightning
@@ -32,12 +32,13 @@ FAMILIES = ["qwen3_5_text", "mamba2", "jamba"]
 MORE = ["qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "mamba", "rwkv",
         "recurrent_gemma", "minimax", "kimi_linear"]
 PREFILL, MAX_SEQ, SLOTS, NEW = 8, 48, 4, 12
+Models = dict[str, tuple[Path, Path | None, Path]]  # per family: HF folder, one-slot .om (or none), SLOTS-slot .om
 K = 3  # --speculative_tokens of these four-slot models: a verify program, with its states kept by row
 # every recurrence (per-head and per-channel scans, the delta rule, WKV, RG-LRU, lightning
 # attention), conv windows, NoPE attention and MoE beside them (the verify trace costs each compile
 # ~6 s: the other families repeat these kinds; Kimi's delta rule differs from Qwen's in g's shape
-# only, operand 3 sliced along the rows alike)
-SPECULATIVE = ["qwen3_5_text", "mamba2", "jamba", "qwen3_next", "rwkv", "recurrent_gemma", "minimax"]
+# only, operand 3 sliced along the rows alike; Qwen3-Next's is Qwen3.5's, beside MoE as Jamba's)
+SPECULATIVE = ["qwen3_5_text", "mamba2", "jamba", "rwkv", "recurrent_gemma", "minimax"]
 # Shorter than the prefill (right padding the state must not see), as long, and longer (the rest by decode)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 11], [1, 2, 3], [9] * 12, [100, 50, 25, 12, 6, 3], [7, 7], [2, 3, 4, 5, 6]]
 NEW_EACH = [10, 4, 8, 12, 3, 6]  # so that requests finish and the queued ones reuse their slots
@@ -57,7 +58,7 @@ def _hf_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def recurrent_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+def recurrent_models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     """(HF folder, one-slot .om, SLOTS-slot .om) per family: tiny random weights."""
     import transformers as tf
 
@@ -72,29 +73,29 @@ def recurrent_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
         folder = root / fam
         model.save_pretrained(str(folder))
         one = compile_model(str(folder), input_shape=f"input_ids:1,{PREFILL}", max_seq_len=MAX_SEQ,
-                            output=str(root / f"{fam}-1")) if fam in FAMILIES else ""
+                            output=str(root / f"{fam}-1")) if fam in FAMILIES[:2] else ""
         many = compile_model(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
                              speculative_tokens=K if fam in SPECULATIVE else None,
                              output=str(root / f"{fam}-{SLOTS}"))
-        out[fam] = (folder, Path(one), Path(many))
+        out[fam] = (folder, Path(one) if one else None, Path(many))
     return out
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_generates_hf_greedy_tokens(fam: str, recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+def test_generates_hf_greedy_tokens(fam: str, recurrent_models: Models) -> None:
     """32 greedy tokens after a full-length prompt equal HF generate's, on the one-slot model
     and in slot 0 of the four-slot one."""
     folder, one, many = recurrent_models[fam]
     prompt = [(7 * i + 3) % 90 + 4 for i in range(PREFILL)]
     want = _hf_greedy(_hf(folder), prompt, 32)
-    for om in (one, many):
+    for om in (one, many) if one is not None else (many,):
         got = [t for t, _ in steps(Session.load(str(om)), prompt, 32, ignore_eos=True)]
         assert got == want, (om.name, got, want)
 
 
 @pytest.mark.parametrize("fam", FAMILIES + MORE)
 def test_slots_decode_each_sequence_as_alone_and_reuse_slots_clean(
-        fam: str, recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+        fam: str, recurrent_models: Models) -> None:
     """Six requests over four slots, of lengths shorter than the prefill, equal to it and
     longer: each one's tokens equal HF's for that prompt alone. The last two run in slots that
     finished requests left, whose recurrent state a prefill must not carry over."""
@@ -114,7 +115,7 @@ def test_slots_decode_each_sequence_as_alone_and_reuse_slots_clean(
         assert got[i] == _hf_greedy(hf, p, n), (i, p)
 
 
-def test_refilled_slot_equals_alone(recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+def test_refilled_slot_equals_alone(recurrent_models: Models) -> None:
     """The peers' bug, directly: a slot filled by one request, freed, refilled by another;
     the second's tokens equal its tokens alone in a fresh session."""
     _, one, _ = recurrent_models["mamba2"]
@@ -130,7 +131,7 @@ def test_refilled_slot_equals_alone(recurrent_models: dict[str, tuple[Path, Path
     assert toks == alone
 
 
-def test_info_reports_state_per_slot(recurrent_models: dict[str, tuple[Path, Path, Path]],
+def test_info_reports_state_per_slot(recurrent_models: Models,
                                      tmp_path: Path) -> None:
     """`npuc info` gives each slot's recurrent bytes: per Mamba2 layer its scan state
     [heads * head_dim, d_state] and its conv window [conv_kernel, conv channels], f32; a pure
@@ -161,7 +162,7 @@ def test_info_reports_state_per_slot(recurrent_models: dict[str, tuple[Path, Pat
 
 
 def test_prompt_logprobs_refused_where_they_would_bypass_the_reset(
-        recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+        recurrent_models: Models) -> None:
     """Scoring a prompt with a one-row prefill feeds it through decode from position 0, where
     nothing resets a slot's recurrent state: refused with a hint, not computed wrong."""
     _, _, many = recurrent_models["mamba2"]
@@ -203,7 +204,7 @@ def test_positions_baked_into_the_decode_trace_are_refused(tmp_path: Path) -> No
         assert e.value.code == "NPUC-E0123" and not (tmp_path / "m.om").exists()
 
 
-def test_decode_check_probes_a_short_prefill(recurrent_models: dict[str, tuple[Path, Path, Path]],
+def test_decode_check_probes_a_short_prefill(recurrent_models: Models,
                                             tmp_path: Path) -> None:
     """A prompt longer than driver.PROBE_TOKENS: the decode check runs the same trace at 8
     tokens (its reference kernels then cost a few tokens' work at compile time), and the
@@ -257,7 +258,7 @@ def _answers(s: Any, config: Any, rows: list[list[Any]] | None = None) -> tuple[
 
 
 @pytest.mark.parametrize("fam", SPECULATIVE)
-def test_speculation_keeps_the_greedy_tokens(fam: str, recurrent_models: dict[str, tuple[Path, Path, Path]],
+def test_speculation_keeps_the_greedy_tokens(fam: str, recurrent_models: Models,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Every recurrence (and conv window) under speculation: drafts accepted whole, in part
     and not at all, over six requests in four slots; each slot's states rolled back to its
@@ -279,7 +280,7 @@ def test_speculation_keeps_the_greedy_tokens(fam: str, recurrent_models: dict[st
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
 
-def test_speculation_on_the_c_and_reference_executors(recurrent_models: dict[str, tuple[Path, Path, Path]],
+def test_speculation_on_the_c_and_reference_executors(recurrent_models: Models,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through libnpucrt (npuc_session_rollback) and the reference kernels."""
     from npuc.apps.speculative import SpeculativeConfig
@@ -298,7 +299,7 @@ def test_speculation_on_the_c_and_reference_executors(recurrent_models: dict[str
 
 @pytest.mark.parametrize("fam", ["qwen3_5_text", "mamba2"])
 def test_the_c_decode_loop_speculates_over_recurrent_state(fam: str,
-                                                          recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+                                                          recurrent_models: Models) -> None:
     """npuc_generate_speculative on a recurrent model: each verify step's slots are rolled back
     to their last kept row in C; the tokens are npuc_generate's, requests reusing slots."""
     from test_speculative import c_generate
@@ -315,7 +316,7 @@ def test_the_c_decode_loop_speculates_over_recurrent_state(fam: str,
     assert stats.verify_steps > 0 and stats.drafted > stats.accepted and stats.steps <= plain.steps
 
 
-def test_the_c_decode_loops_speculation_under_the_sanitizers(recurrent_models: dict[str, tuple[Path, Path, Path]],
+def test_the_c_decode_loops_speculation_under_the_sanitizers(recurrent_models: Models,
                                                              tmp_path: Path) -> None:
     """npucrt/tests/generate_driver.c under ASan and UBSan: npuc_generate_speculative's drafts,
     verify steps and rollbacks over six requests in four slots (a prompt longer than the
@@ -338,7 +339,7 @@ def test_the_c_decode_loops_speculation_under_the_sanitizers(recurrent_models: d
 
 
 def test_rollback_restores_a_rows_state_and_refuses_what_it_cannot(
-        recurrent_models: dict[str, tuple[Path, Path, Path]]) -> None:
+        recurrent_models: Models) -> None:
     """After a verify step of four rows, rolling back to row 1 gives the state two decode
     steps give; a slot or row out of range, or a model without states by row, is refused
     with NPUC-E0108 on both runtimes, and nothing is copied."""
@@ -384,7 +385,7 @@ def test_rollback_restores_a_rows_state_and_refuses_what_it_cannot(
 
 
 def test_several_decode_tokens_beside_a_recurrence_are_refused(
-        recurrent_models: dict[str, tuple[Path, Path, Path]], tmp_path: Path) -> None:
+        recurrent_models: Models, tmp_path: Path) -> None:
     """--decode_tokens C > 1 keeps no states by row (only verify does): refused, with the
     reason, and no file left."""
     folder = recurrent_models["mamba2"][0]
