@@ -18,8 +18,9 @@ where the next catch-up writes over it. A prompt is prefilled into the draft's s
 target admits it (`admit`); a slot whose cache already holds a prefix of the new prompt
 (the request before it in that slot shared it) keeps it.
 
-Drafts are the draft model's argmax: a point mass, so the target's check (greedy, or the
-rejection sampling of apps/sampling.verify_draft) leaves its output unchanged.
+Drafts are the draft model's argmax: a point mass, so the target's check (its own greedy
+choice or seeded draw, which a draft is kept while it equals: apps/speculative.py) leaves its
+output unchanged.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ length), and the steps the rest. A request whose speculation never pays so never
 layer. For a prefix loaded from the pool (apps/prefix_cache.py) the drafter keeps a copy of
 each saved entry's hidden states (`saved`, `loaded`); the rows are recomputed from them.
 
-Drafts are the layer's argmax: a point mass, so the target's check (greedy, or the rejection
-sampling of apps/sampling.verify_draft) leaves its output unchanged.
+Drafts are the layer's argmax: a point mass, so the target's check (its own greedy choice or
+seeded draw, which a draft is kept while it equals: apps/speculative.py) leaves its output
+unchanged.
 """
 
 from __future__ import annotations

@@ -211,11 +211,6 @@ class TokenChooser:
         return out
 
 
-# Seeds of the two draws a drafted token's check makes (verify): the accept test and the
-# residual draw, apart from the plain draw's stream (the seed itself) and from each other.
-_ACCEPT_SALT, _RESIDUAL_SALT = 0x5DEECE66D5A17C3B, 0x2545F4914F6CDD1D
-
-
 def _probs_function(lib: Any) -> Any:
     f = lib.npuc_sample_probs
     if f.argtypes is None:
@@ -223,35 +218,6 @@ def _probs_function(lib: Any) -> Any:
         f.argtypes = [P, ctypes.c_int64, P, P, ctypes.c_int32, P, ctypes.c_int32, P, ctypes.c_size_t, P, P]
         f.restype = ctypes.c_int
     return f
-
-
-def _walk(p: np.ndarray, target: float) -> int:
-    """The id where the running sum of p passes target (the last id with mass, past the end)."""
-    at = int(np.searchsorted(np.cumsum(p, dtype=np.float64), target, side="right"))
-    return at if at < len(p) else int(np.flatnonzero(p)[-1])
-
-
-def verify_draft(chooser: TokenChooser, row: Any, draft: int) -> int:
-    """The next token, given a drafted one (speculative decoding): a deterministic choice
-    (greedy, temperature 0) as it is; a sampled one keeps the draft with probability p(draft)
-    and otherwise draws from p without it, renormalised. With a draft of one token (a point
-    mass) that is standard rejection sampling: the token's distribution is p's, whatever the
-    draft. Records the token as chooser(row) does."""
-    if chooser._lib is None or chooser.params.temperature == 0 or chooser.matcher is not None:
-        return chooser(row)
-    p = chooser.probabilities(row).astype(np.float64)
-    seed = chooser._c.seed
-    lib = chooser._lib
-    if 0 <= draft < len(p) and lib.npuc_sample_uniform((seed ^ _ACCEPT_SALT) % 2**64, chooser.n_out) < p[draft]:
-        token = draft
-    else:
-        if 0 <= draft < len(p):
-            p[draft] = 0.0
-        total = p.sum()
-        u = lib.npuc_sample_uniform((seed ^ _RESIDUAL_SALT) % 2**64, chooser.n_out)
-        token = _walk(p, u * total) if total > 0 else draft
-    chooser.record(token)
-    return token
 
 
 def token_logprobs(row: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

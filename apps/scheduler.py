@@ -57,7 +57,7 @@ from npuc.apps.generate import (
 )
 from npuc.apps.mtp_draft import HIDDEN, MTPDrafter, has_mtp
 from npuc.apps.prefix_cache import PrefixBook
-from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs, verify_draft
+from npuc.apps.sampling import GREEDY, SamplingParams, TokenChooser, token_logprobs
 from npuc.apps.speculative import (
     VERIFY,
     NgramIndex,
@@ -470,7 +470,7 @@ class Scheduler:
         assert spec is not None
         for i in range(len(drafts) + 1):
             draft = drafts[i] if i < len(drafts) else None
-            self._choose(r, rows[i], events, draft)
+            self._choose(r, rows[i], events)
             if r.finish_reason is not None or draft is None:
                 return
             self.stats.drafted += 1
@@ -540,7 +540,7 @@ class Scheduler:
             if not q.feed:
                 self._choose(q, logits, events)
 
-    def _choose(self, r: Request, logits: Any, events: list[Event], draft: int | None = None) -> None:
+    def _choose(self, r: Request, logits: Any, events: list[Event]) -> None:
         first = not r.tokens
         prompt_lp = [None, *r.prompt_lp] if r.prompt_logprobs and first else None
         if r.max_new_tokens == 0:  # the prompt scored, nothing generated
@@ -551,7 +551,7 @@ class Scheduler:
         if r.chooser is None:
             token = int(logits.argmax())
         else:
-            token = verify_draft(r.chooser, logits, draft) if draft is not None else r.chooser(logits)
+            token = r.chooser(logits)
         r.tokens.append(token)
         if r.spec is not None:
             r.spec.index.extend([token])

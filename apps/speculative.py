@@ -13,9 +13,12 @@ the logits a plain decode would have computed for it.
 - Greedy (and any temperature-0 choice): the token chosen is the argmax, as without drafts,
   so the output is the same token for token (up to the rounding of a K + 1-row product
   against a one-row one: the tests compare).
-- Sampled: a draft is kept with probability p(draft) and otherwise the token is drawn from p
-  without it (apps/sampling.verify_draft): rejection sampling with a point-mass draft, which
-  leaves every token's distribution p.
+- Sampled: the token is the request's own seeded draw from row i (TokenChooser, as a plain
+  step draws it: the same uniform number, the token's index in the output), and a draft is
+  kept while it equals it. Every drafter here proposes a point mass (one token), so a draft is
+  kept with probability p(draft), as rejection sampling keeps it, and the output is plain
+  decode's draws token for token: a seeded request's tokens do not depend on speculation or
+  on when the scheduler chose to verify.
 
 Rollback is free: a rejected draft's key and value stay in the cache past the slot's position,
 where no query reads them (each row attends to positions up to its own), and the next step

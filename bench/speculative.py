@@ -19,8 +19,7 @@ Prompts (token ids, so any vocabulary serves):
 - sampled: the plain prompt sampled at temperature 1 (seeded): drafts are rarely found;
 - rejected: the copy prompt sampled at temperature 1 with 1-gram drafts (a draft wherever the
   last token occurred before): drafts that are checked are mostly rejected, and speculation must
-  switch itself off (where a draft is checked, the samples may differ from the plain run's; their
-  distribution does not);
+  switch itself off;
 - found-rejected: the plain prompt sampled at temperature 1 among the 16 likeliest tokens, with
   1-gram drafts: after a few dozen tokens nearly every last token occurred before, so a draft
   is found at every step, and about 1 in 16 is right: speculation must switch itself off;
@@ -28,8 +27,8 @@ Prompts (token ids, so any vocabulary serves):
   byte-level model trained on the standard library (bench/train_stdlib_llama.py), whose
   tokens are not random: a draft model's acceptance there is a real one.
 Prints one JSON line per prompt: tokens/s of each, the ratio (median over rounds), and the
-speculative run's acceptance rate and tokens per step. The greedy tokens of both are
-compared (they must be equal).
+speculative run's acceptance rate and tokens per step. The tokens of both are compared (they
+must be equal, sampled ones too: a seeded draw is the same with speculation).
 """
 
 from __future__ import annotations

@@ -267,16 +267,18 @@ int npuc_generate(npuc_session *s, npuc_sequence *seqs, int32_t n_seqs, npuc_tok
                   npuc_error *err);
 
 /* Speculative decoding in the generation loop (prompt lookup). On a model compiled with
- * --speculative_tokens K (a `verify` program of K + 1 tokens of each slot), each greedy sequence
+ * --speculative_tokens K (a `verify` program of K + 1 tokens of each slot), each sequence
  * drafts up to `tokens` tokens a step from its own prompt and output: the tokens that followed the
  * latest earlier occurrence of its last n tokens (n from ngram_max down to ngram_min). One verify
- * step checks every slot's drafts; a slot keeps its drafts up to the first one greedy decode would
- * not choose, and the token chosen there: the tokens are greedy decode's, one to K + 1 a step. A
+ * step checks every slot's drafts: each row's token is the one plain decode chooses there (the
+ * argmax, or the sequence's own seeded draw), and a slot keeps its drafts up to the first that
+ * differs from it, and the token chosen there. The tokens are npuc_generate's, greedy or sampled,
+ * one to K + 1 a step (a draft is kept with probability p(draft), as rejection sampling keeps a
+ * one-token draft, and the output is plain decode's draws, whatever the speculation). A
  * model with recurrent state is rolled back to the last kept row (npuc_session_rollback). A verify
  * step runs only where each sequence's acceptance so far and both programs' measured step times
  * say it gives at least `min_gain` times plain decode's tokens a second (0: whenever a draft is
- * found); so text the drafts do not predict runs at plain decode's speed. Sequences that sample
- * are not drafted for (their tokens are drawn as without speculation). */
+ * found); so text the drafts do not predict runs at plain decode's speed. */
 typedef struct npuc_speculation {
     int32_t tokens;    /* drafted tokens a step, 1..K; 0: no speculation */
     int32_t ngram_min; /* 1..ngram_max (2 is the usual) */

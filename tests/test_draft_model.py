@@ -12,6 +12,7 @@ from hf_models import save_checkpoint
 from program_log import record_programs
 
 from npuc.apps.draft_model import DraftModel
+from npuc.apps.sampling import GREEDY, SamplingParams
 from npuc.apps.scheduler import Scheduler
 from npuc.apps.speculative import SpeculativeConfig
 from npuc.compiler.driver import compile_model
@@ -40,9 +41,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                            output=str(root / "o1")))}
 
 
-def _run(s: Any, config: SpeculativeConfig, draft: Any = None, n: int = 30) -> tuple[list[list[int]], Any]:
+def _run(s: Any, config: SpeculativeConfig, draft: Any = None, n: int = 30,
+         sampling: SamplingParams = GREEDY) -> tuple[list[list[int]], Any]:
     sched = Scheduler(s, speculative=config, draft=draft)
-    ids = [sched.submit(p, n, True) for p in PROMPTS]
+    ids = [sched.submit(p, n, True, sampling) for p in PROMPTS]
     while not sched.idle:
         sched.step()
     return [sched.requests[i].tokens for i in ids], sched.stats
@@ -59,6 +61,18 @@ def test_greedy_output_is_unchanged_by_a_draft_model(models: dict[str, Path], wh
         assert stats.accepted == stats.drafted and stats.steps < plain.steps / 2
     else:
         assert stats.accepted < stats.drafted
+
+
+def test_seeded_sampling_is_unchanged_by_a_draft_model(models: dict[str, Path]) -> None:
+    """The target's own seeded draws, drafts kept while they equal them: the tokens without
+    speculation. The draft is the target itself (its greedy tokens), and the draws at a low
+    temperature follow them often, not always."""
+    cool = SamplingParams(temperature=0.03, top_k=8, seed=3)
+    s = NativeSession(str(models["target"]))
+    want, _ = _run(s, SpeculativeConfig(method="off"), sampling=cool)
+    got, stats = _run(s, DRAFT, NativeSession(str(models["target"])), sampling=cool)
+    assert got == want
+    assert stats.verify_steps > 0 and 0 < stats.accepted < stats.drafted
 
 
 @pytest.mark.parametrize("which", ["other", "other_verify"])

@@ -16,6 +16,7 @@ from mtp_checkpoint import ReferenceMTP, save_mtp_checkpoint
 from program_log import record_programs
 
 from npuc.apps.mtp_draft import MTP_DECODE, MTP_PREFILL, MTP_VERIFY, MTPDrafter
+from npuc.apps.sampling import GREEDY, SamplingParams
 from npuc.apps.scheduler import Scheduler
 from npuc.apps.speculative import SpeculativeConfig
 from npuc.compiler.driver import compile_model
@@ -137,9 +138,10 @@ def test_drafts_are_the_layers_chained_argmax(mtp_models: dict[str, tuple[Path, 
         assert got == _reference_drafts(ref, seq, n), seq
 
 
-def _run(s: Any, config: SpeculativeConfig, n: int = 30) -> tuple[list[list[int]], Any]:
+def _run(s: Any, config: SpeculativeConfig, n: int = 30,
+         sampling: SamplingParams = GREEDY) -> tuple[list[list[int]], Any]:
     sched = Scheduler(s, speculative=config)
-    ids = [sched.submit(p, n, True) for p in PROMPTS]
+    ids = [sched.submit(p, n, True, sampling) for p in PROMPTS]
     while not sched.idle:
         sched.step()
     return [sched.requests[i].tokens for i in ids], sched.stats
@@ -151,6 +153,18 @@ def test_greedy_output_is_unchanged_by_mtp(arch: str, executor: str, mtp_models:
     s = _session(mtp_models[arch][1], executor)
     plain, _ = _run(s, SpeculativeConfig(method="off"))
     got, stats = _run(s, ALWAYS)
+    assert got == plain
+    assert stats.verify_steps > 0 and stats.drafted > 0
+
+
+@native
+def test_seeded_sampling_is_unchanged_by_mtp(mtp_models: dict[str, tuple[Path, Path]]) -> None:
+    """Each row's token is the request's own seeded draw, an MTP draft kept while it equals it:
+    the tokens without speculation."""
+    s = NativeSession(str(mtp_models["llama"][1]))
+    cool = SamplingParams(temperature=0.03, top_k=8, seed=3)
+    plain, _ = _run(s, SpeculativeConfig(method="off"), sampling=cool)
+    got, stats = _run(s, ALWAYS, sampling=cool)
     assert got == plain
     assert stats.verify_steps > 0 and stats.drafted > 0
 

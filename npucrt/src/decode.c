@@ -10,9 +10,10 @@
  * (--decode_tokens) of every slot, each at its own positions.
  *
  * npuc_generate_speculative adds the scheduler's n-gram speculation (apps/speculative.py): on a
- * model with a verify program, greedy sequences' drafts are checked K + 1 rows a step where the
- * measured step times say it pays, and a recurrent model's slots are rolled back to their last
- * kept row.
+ * model with a verify program, each sequence's drafts are checked K + 1 rows a step where the
+ * measured step times say it pays (each row's token is the one plain decode chooses, greedy or
+ * drawn, and a draft is kept while it equals it), and a recurrent model's slots are rolled back
+ * to their last kept row.
  *
  * A slot that has nothing to feed in a step still runs (static shapes). It is fed again the
  * last (token, position) it wrote, which writes the same key and value again: the same
@@ -65,6 +66,8 @@ static int32_t ids_input(const npuc_model *m, int32_t prefill) {
     }
     return -1;
 }
+
+static int rollback_setup(npuc_model *m, npuc_error *err);
 
 int rt_generation_setup(npuc_model *m, npuc_error *err) {
     (void)err;
@@ -120,7 +123,7 @@ int rt_generation_setup(npuc_model *m, npuc_error *err) {
     g->n_eos = n;
     g->eos = m->eos;
     m->has_gen = 1;
-    return 0;
+    return rollback_setup(m, err);
 }
 
 int npuc_model_generation_info(const npuc_model *m, npuc_generation_info *info, npuc_error *err) {
@@ -346,52 +349,70 @@ static int ends_with(const char *s, const char *tail) {
     return a >= b && strcmp(s + a - b, tail) == 0;
 }
 
+static int is_by_row(const rt_tensor *r) {
+    return r->region == REGION_STATE && !r->pool && r->base == -1 && ends_with(r->name, BY_ROW);
+}
+
+/* npuc_session_rollback's table, built once at load: each <name>.by_row [B, 1, K, n] beside
+ * <name> [B, ...] of n values a slot, the same dtype (K: the verify step's rows but its last,
+ * whose state is the state's own), every pair with the same K. A `.by_row` state that is not
+ * such a copy leaves the table empty and is named in m->rollback_bad: the model's programs
+ * still run, and npuc_session_rollback refuses. */
+static int rollback_setup(npuc_model *m, npuc_error *err) {
+    const int64_t B = m->gen.slots;
+    int32_t n = 0;
+    for (int32_t i = 0; i < m->n_tensors; i++) n += is_by_row(&m->tensors[i]);
+    m->n_rollback = 0, m->rollback_rows = 0, m->rollback_bad = -1, m->rollback_bad_rows = 0;
+    m->rollback = n ? pool_alloc(&m->pool, sizeof(rt_rollback_pair) * (size_t)n) : NULL;
+    if (n && m->rollback == NULL) return rt_fail(err, NPUC_E_ARG, "", "out of memory");
+    for (int32_t i = 0; i < m->n_tensors; i++) {
+        const rt_tensor *r = &m->tensors[i];
+        if (!is_by_row(r)) continue;
+        int32_t j = state_named(m, r->name, strlen(r->name) - (sizeof BY_ROW - 1));
+        const rt_tensor *t = j >= 0 ? &m->tensors[j] : NULL;
+        int bad = t == NULL || t->dtype != r->dtype || r->rank != 4 || r->shape[0] != B || r->shape[1] != 1 ||
+                  r->shape[2] < 1 || t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B ||
+                  r->nbytes / (uint64_t)B / (uint64_t)r->shape[2] != t->nbytes / (uint64_t)B ||
+                  r->nbytes % ((uint64_t)B * (uint64_t)r->shape[2]);
+        if (bad || (m->rollback_rows != 0 && r->shape[2] != m->rollback_rows)) {
+            m->rollback_bad = i, m->rollback_bad_rows = bad ? 0 : r->shape[2], m->n_rollback = 0;
+            return 0;
+        }
+        m->rollback_rows = r->shape[2];
+        m->rollback[m->n_rollback++] = (rt_rollback_pair){j, i};
+    }
+    return 0;
+}
+
 int npuc_session_rollback(npuc_session *s, int32_t slot, int32_t row, npuc_error *err) {
     if (s == NULL) return rt_fail(err, NPUC_E_ARG, "", "a NULL argument");
     const npuc_model *m = rt_session_model(s);
     if (!m->has_gen) return npuc_model_generation_info(m, &(npuc_generation_info){0}, err);
-    const int64_t B = m->gen.slots;
-    /* every pair checked before any byte moves: <name>.by_row [B, 1, K, n] beside <name> [B, ...]
-     * of n values a slot, the same dtype (K: the verify step's rows but its last, whose state is
-     * the state's own) */
-    int32_t pairs = 0;
-    int64_t K = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int32_t i = 0; i < m->n_tensors; i++) {
-            const rt_tensor *r = &m->tensors[i];
-            if (r->region != REGION_STATE || r->pool || r->base != -1 || !ends_with(r->name, BY_ROW)) continue;
-            int32_t j = state_named(m, r->name, strlen(r->name) - (sizeof BY_ROW - 1));
-            const rt_tensor *t = j >= 0 ? &m->tensors[j] : NULL;
-            if (pass == 0) {
-                if (t == NULL || t->dtype != r->dtype || r->rank != 4 || r->shape[0] != B || r->shape[1] != 1 ||
-                    r->shape[2] < 1 || t->rank < 1 || t->shape[0] != B || t->nbytes % (uint64_t)B ||
-                    r->nbytes / (uint64_t)B / (uint64_t)r->shape[2] != t->nbytes / (uint64_t)B ||
-                    r->nbytes % ((uint64_t)B * (uint64_t)r->shape[2]))
-                    return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
-                                   "state %s does not hold one copy of its state per slot and verify row", r->name);
-                if (K != 0 && r->shape[2] != K)
-                    return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
-                                   "state %s keeps %lld rows, another %lld", r->name, (long long)r->shape[2],
-                                   (long long)K);
-                K = r->shape[2], pairs++;
-                continue;
-            }
-            uint64_t per = t->nbytes / (uint64_t)B;
-            uint8_t *state = rt_session_state(s);
-            memcpy(state + t->offset + per * (uint64_t)slot,
-                   state + r->offset + per * ((uint64_t)slot * (uint64_t)K + (uint64_t)row), (size_t)per);
-        }
-        if (pass == 0) {
-            if (pairs == 0)
-                return rt_fail(err, NPUC_E_INPUT, "compile the model with --speculative_tokens K",
-                               "the model keeps no recurrent state by verify row: there is nothing to roll back");
-            if (slot < 0 || slot >= B || row < 0 || row > K) {
-                char hint[96];
-                snprintf(hint, sizeof hint, "slots are 0..%lld, rows 0..%lld", (long long)B - 1, (long long)K);
-                return rt_fail(err, NPUC_E_INPUT, hint, "roll slot %d back to row %d", (int)slot, (int)row);
-            }
-            if (row == K) return NPUC_OK; /* every row kept: the states are the step's own */
-        }
+    const int64_t B = m->gen.slots, K = m->rollback_rows;
+    if (m->rollback_bad >= 0) { /* nothing is copied from a model whose copies are not all well formed */
+        const char *name = m->tensors[m->rollback_bad].name;
+        if (m->rollback_bad_rows)
+            return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
+                           "state %s keeps %lld rows, another %lld", name, (long long)m->rollback_bad_rows,
+                           (long long)K);
+        return rt_fail(err, NPUC_E_INVALID, "recompile the model with this npuc",
+                       "state %s does not hold one copy of its state per slot and verify row", name);
+    }
+    if (m->n_rollback == 0)
+        return rt_fail(err, NPUC_E_INPUT, "compile the model with --speculative_tokens K",
+                       "the model keeps no recurrent state by verify row: there is nothing to roll back");
+    if (slot < 0 || slot >= B || row < 0 || row > K) {
+        char hint[96];
+        snprintf(hint, sizeof hint, "slots are 0..%lld, rows 0..%lld", (long long)B - 1, (long long)K);
+        return rt_fail(err, NPUC_E_INPUT, hint, "roll slot %d back to row %d", (int)slot, (int)row);
+    }
+    if (row == K) return NPUC_OK; /* every row kept: the states are the step's own */
+    uint8_t *state = rt_session_state(s);
+    for (int32_t p = 0; p < m->n_rollback; p++) {
+        const rt_tensor *t = &m->tensors[m->rollback[p].state], *r = &m->tensors[m->rollback[p].by_row];
+        uint64_t per = t->nbytes / (uint64_t)B;
+        memcpy(state + t->offset + per * (uint64_t)slot,
+               state + r->offset + per * ((uint64_t)slot * (uint64_t)K + (uint64_t)row), (size_t)per);
     }
     return NPUC_OK;
 }
@@ -469,8 +490,7 @@ static verify_prog find_verify(const npuc_model *m) {
         lt->shape[0] != g->slots || lt->shape[1] != it->shape[1] || lt->shape[2] != g->logits_width)
         return v;
     v.prog = vp, v.i_ids = ids, v.i_pos = 1 - ids, v.o_logits = lo, v.rows = (int32_t)it->shape[1];
-    for (int32_t i = 0; i < m->n_tensors && !v.rollback; i++)
-        v.rollback = m->tensors[i].region == REGION_STATE && ends_with(m->tensors[i].name, BY_ROW);
+    v.rollback = m->n_rollback > 0 || m->rollback_bad >= 0; /* a bad table: refused at the first rollback */
     return v;
 }
 
@@ -685,7 +705,7 @@ int npuc_generate_speculative(npuc_session *s, npuc_sequence *seqs, int32_t n_se
                 const npuc_sequence *q = &seqs[st->seq];
                 feeding |= st->next < q->prompt_len || st->pending < 0;
                 plain += 1, speculated += 1;
-                if (q->sampling != NULL || times.decode < 0) continue; /* drafts once decode's cost is known */
+                if (times.decode < 0) continue; /* drafts once decode's cost is known */
                 int64_t room = sp->tokens;
                 if (q->max_new_tokens - q->n_out - 1 < room) room = q->max_new_tokens - q->n_out - 1;
                 if (g->max_seq_len - 1 - st->pos < room) room = g->max_seq_len - 1 - st->pos;

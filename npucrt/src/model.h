@@ -114,6 +114,11 @@ void pool_free(rt_pool *p);
 
 #define RT_MAX_SECTIONS 64
 
+/* A recurrent state and its copies by verify row (`<state>.by_row`), tensor indices. */
+typedef struct {
+    int32_t state, by_row;
+} rt_rollback_pair;
+
 struct npuc_model {
     const uint8_t *data; /* the whole file */
     size_t size;
@@ -149,6 +154,11 @@ struct npuc_model {
     npuc_generation_info gen;
     int has_gen;
     int64_t *eos;
+    rt_rollback_pair *rollback; /* decode.c: the recurrent states kept by verify row, n_rollback */
+    int32_t n_rollback;
+    int64_t rollback_rows;      /* K: the rows each keeps (a verify step's but its last) */
+    int32_t rollback_bad;       /* -1, or a `.by_row` state that is no such copy (rollback refused) */
+    int64_t rollback_bad_rows;  /* its rows where they differ from another's K; 0: malformed */
 
     rt_pool pool;
 };
