@@ -70,8 +70,8 @@ static int32_t ids_input(const npuc_model *m, int32_t prefill) {
 static int rollback_setup(npuc_model *m, npuc_error *err);
 
 int rt_generation_setup(npuc_model *m, npuc_error *err) {
-    (void)err;
     m->has_gen = 0;
+    m->n_rollback = 0, m->rollback_bad = -1; /* no rollback table until rollback_setup builds one */
     int32_t pf = find_program(m, "prefill"), dc = find_program(m, "decode");
     const char *msl = meta(m, "max_seq_len");
     if (pf < 0 || dc < 0 || msl == NULL) return 0;
