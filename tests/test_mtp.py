@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compile_pool import CompilePool
 from hf_models import GEN_ARCHS, save_checkpoint
 from mtp_checkpoint import ReferenceMTP, save_mtp_checkpoint
 from program_log import record_programs
@@ -37,15 +38,14 @@ def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
     MTP layer), Llama with a prefix pool and a mixed step, and the others (their own decoder
     layer as the MTP layer's, as a checkpoint so laid out would have it)."""
     root = tmp_path_factory.mktemp("mtp")
-    out = {}
-    for arch in GEN_ARCHS:
-        save_mtp_checkpoint(arch, str(root / arch))
-        om = compile_model(str(root / arch), input_shape=f"input_ids:2,{PREFILL}", max_seq_len=MAX_SEQ,
-                           speculative_tokens=K, mtp=True, prefix_cache=2 if arch == "llama" else None,
-                           mixed_tokens=4 if arch == "llama" else None,
-                           output=str(root / f"{arch}_mtp"))
-        out[arch] = (root / arch, Path(om))
-    return out
+    with CompilePool() as pool:  # in worker processes, while this one saves the next checkpoint
+        oms = {}
+        for arch in GEN_ARCHS:
+            save_mtp_checkpoint(arch, str(root / arch))
+            oms[arch] = pool.compile(str(root / arch), input_shape=f"input_ids:2,{PREFILL}", max_seq_len=MAX_SEQ,
+                                     speculative_tokens=K, mtp=True, prefix_cache=2 if arch == "llama" else None,
+                                     mixed_tokens=4 if arch == "llama" else None, output=str(root / f"{arch}_mtp"))
+        return {arch: (root / arch, Path(om.result())) for arch, om in oms.items()}
 
 
 def _session(om: Path, executor: str) -> Any:

@@ -6,12 +6,14 @@ them: a verify step's rejected drafts are undone by rolling the states back to a
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from compile_pool import CompilePool
 from model_matrix import tiny_config
 
 from npuc.apps.generate import steps
@@ -59,26 +61,29 @@ def _hf_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def recurrent_models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    """(HF folder, one-slot .om, SLOTS-slot .om) per family: tiny random weights."""
+    """(HF folder, one-slot .om, SLOTS-slot .om) per family: tiny random weights, compiled in
+    worker processes (tests/compile_pool.py) while this one builds the next folders."""
     import transformers as tf
 
     root = tmp_path_factory.mktemp("recurrent")
-    out = {}
-    for fam in FAMILIES + MORE:
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(tiny_config(fam)).eval()
-        with torch.no_grad():  # away from init's ties (an MoE router of zeros)
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        folder = root / fam
-        model.save_pretrained(str(folder))
-        one = compile_model(str(folder), input_shape=f"input_ids:1,{PREFILL}", max_seq_len=MAX_SEQ,
-                            output=str(root / f"{fam}-1")) if fam in FAMILIES[:2] else ""
-        many = compile_model(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
-                             speculative_tokens=K if fam in SPECULATIVE else None,
-                             output=str(root / f"{fam}-{SLOTS}"))
-        out[fam] = (folder, Path(one) if one else None, Path(many))
-    return out
+    futures: dict[str, tuple[Path, Future[str] | None, Future[str]]] = {}
+    with CompilePool() as pool:
+        for fam in FAMILIES + MORE:
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(tiny_config(fam)).eval()
+            with torch.no_grad():  # away from init's ties (an MoE router of zeros)
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+            folder = root / fam
+            model.save_pretrained(str(folder))
+            one = pool.compile(str(folder), input_shape=f"input_ids:1,{PREFILL}", max_seq_len=MAX_SEQ,
+                               output=str(root / f"{fam}-1")) if fam in FAMILIES[:2] else None
+            many = pool.compile(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
+                                speculative_tokens=K if fam in SPECULATIVE else None,
+                                output=str(root / f"{fam}-{SLOTS}"))
+            futures[fam] = (folder, one, many)
+        return {fam: (folder, Path(one.result()) if one is not None else None, Path(many.result()))
+                for fam, (folder, one, many) in futures.items()}
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
