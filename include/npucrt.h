@@ -209,8 +209,8 @@ int npuc_sample(const float *logits, int64_t vocab, const npuc_sampling *samplin
                 npuc_error *err);
 
 /* The distribution npuc_sample draws the token from (the same filters, in float): probs[vocab]
- * gets each id's probability, 0 for the ids the filters drop; a greedy choice is one id at 1.
- * Speculative decoding checks a drafted token against it (apps/speculative.py). */
+ * gets each id's probability, 0 for the ids the filters drop; a greedy choice is one id at 1
+ * (a drafted token is kept with its probability here: apps/speculative.py). */
 int npuc_sample_probs(const float *logits, int64_t vocab, const npuc_sampling *sampling, const int64_t *prompt,
                       int32_t n_prompt, const int64_t *out, int32_t n_out, void *work, size_t work_bytes, float *probs,
                       npuc_error *err);

@@ -84,6 +84,18 @@ def test_draws_follow_the_filtered_softmax(kw: dict[str, Any]) -> None:
     assert pvalue > 0.001, f"chi2 {chi2:.1f} on {df} degrees of freedom: p = {pvalue:.2e} ({got} vs {expected})"
 
 
+@pytest.mark.parametrize("kw", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+                                {"temperature": 1.3, "top_p": 0.8}, {"temperature": 1.0, "min_p": 0.15}],
+                         ids=["t1", "topk", "topp", "minp"])
+def test_the_distribution_is_the_filtered_softmax(kw: dict[str, Any]) -> None:
+    """npuc_sample_probs (TokenChooser.probabilities): the distribution the draws above follow,
+    id for id (a drafted token is kept with its probability there)."""
+    logits = np.random.default_rng(0).normal(0, 1.5, 16).astype(np.float32)
+    p = SamplingParams(seed=1, **kw)
+    got = TokenChooser(p, [], 1, len(logits), ()).probabilities(logits)
+    np.testing.assert_allclose(got, _hf_probs(logits, p), atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [{"top_p": 0.99}, {"top_k": 3000}, {"top_p": 0.99, "min_p": 0.0005}],
                          ids=["top_p", "top_k", "top_p+min_p"])
 def test_large_vocabulary_filters_keep_transformers_set(kw: dict[str, Any]) -> None:

@@ -71,7 +71,8 @@ static int rollback_setup(npuc_model *m, npuc_error *err);
 
 int rt_generation_setup(npuc_model *m, npuc_error *err) {
     m->has_gen = 0;
-    m->n_rollback = 0, m->rollback_bad = -1; /* no rollback table until rollback_setup builds one */
+    /* no rollback table until rollback_setup builds one */
+    m->n_rollback = 0, m->rollback_rows = 0, m->rollback_bad = -1, m->rollback_bad_rows = 0;
     int32_t pf = find_program(m, "prefill"), dc = find_program(m, "decode");
     const char *msl = meta(m, "max_seq_len");
     if (pf < 0 || dc < 0 || msl == NULL) return 0;
@@ -362,7 +363,6 @@ static int rollback_setup(npuc_model *m, npuc_error *err) {
     const int64_t B = m->gen.slots;
     int32_t n = 0;
     for (int32_t i = 0; i < m->n_tensors; i++) n += is_by_row(&m->tensors[i]);
-    m->n_rollback = 0, m->rollback_rows = 0, m->rollback_bad = -1, m->rollback_bad_rows = 0;
     m->rollback = n ? pool_alloc(&m->pool, sizeof(rt_rollback_pair) * (size_t)n) : NULL;
     if (n && m->rollback == NULL) return rt_fail(err, NPUC_E_ARG, "", "out of memory");
     for (int32_t i = 0; i < m->n_tensors; i++) {
