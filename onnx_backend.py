@@ -484,13 +484,22 @@ def run_case(case_dir: Path, extended: bool = False, rtol: float = 1e-3, atol: f
     return CaseResult(case_dir.name, ops, scope, not reason, reason, time.perf_counter() - t0, variant)
 
 
-def run_conformance(data_dir: Path | None = None, extended: bool = True) -> list[CaseResult]:
+def case_dirs(data_dir: Path | None = None) -> list[Path]:
+    """The node test cases' folders, in name order."""
+    root = data_dir or node_test_dir()
+    return [d for d in sorted(root.iterdir()) if (d / "model.onnx").exists()]
+
+
+def run_cases(dirs: Sequence[Path], extended: bool = True) -> list[CaseResult]:
     import warnings
 
-    root = data_dir or node_test_dir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [run_case(d, extended) for d in sorted(root.iterdir()) if (d / "model.onnx").exists()]
+        return [run_case(d, extended) for d in dirs]
+
+
+def run_conformance(data_dir: Path | None = None, extended: bool = True) -> list[CaseResult]:
+    return run_cases(case_dirs(data_dir), extended)
 
 
 def summary(results: Sequence[CaseResult], extended: bool = False) -> tuple[int, int, float]:

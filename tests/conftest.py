@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from hf_models import ARCHS, GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL, moe_config, save_checkpoint  # noqa: E402
+from hf_models import ARCHS, GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL, export_onnx, moe_config, save_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,11 +28,13 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def gen_models(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each GEN_ARCHS checkpoint compiled with --max_seq_len (one slot), once per session."""
-    from npuc.compiler.driver import compile_model
+    from compile_pool import CompilePool
 
     root = tmp_path_factory.mktemp("gen")
-    return {arch: Path(compile_model(str(hf_checkpoints[arch]), input_shape=f"input_ids:1,{GEN_PREFILL}",
-                                     output=str(root / arch), max_seq_len=GEN_MAX_SEQ)) for arch in GEN_ARCHS}
+    with CompilePool() as pool:
+        oms = {arch: pool.compile(str(hf_checkpoints[arch]), input_shape=f"input_ids:1,{GEN_PREFILL}",
+                                  output=str(root / arch), max_seq_len=GEN_MAX_SEQ) for arch in GEN_ARCHS}
+        return {arch: Path(om.result()) for arch, om in oms.items()}
 
 
 ONNX_OPSETS = [18, 23]
@@ -43,24 +45,17 @@ def onnx_exports(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempP
                  ) -> dict[tuple[str, int], Path]:
     """Each tiny HF model exported with torch.onnx.export(dynamo=True) at opsets 18 and 23, once per session.
 
-    Exported with a dynamic batch and sequence, as deployment exports usually are."""
-    import torch
-    import transformers
+    Exported with a dynamic batch and sequence, as deployment exports usually are (in worker
+    processes, an architecture each)."""
+    from compile_pool import CompilePool
 
     root = tmp_path_factory.mktemp("onnx")
-    out = {}
-    for arch, ckpt in hf_checkpoints.items():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
-        ids = torch.zeros(1, 16, dtype=torch.long)
-        for opset in ONNX_OPSETS:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                prog = torch.onnx.export(model, (), kwargs={"input_ids": ids, "use_cache": False}, dynamo=True,
-                                         opset_version=opset, verbose=False,
-                                         dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "use_cache": None})
-            path = root / f"{arch}_opset{opset}.onnx"
-            prog.save(str(path))
-            out[(arch, opset)] = path
+    out = {(arch, opset): root / f"{arch}_opset{opset}.onnx" for arch in hf_checkpoints for opset in ONNX_OPSETS}
+    with CompilePool() as pool:
+        done = [pool.run(export_onnx, str(ckpt), {opset: str(out[(arch, opset)]) for opset in ONNX_OPSETS})
+                for arch, ckpt in hf_checkpoints.items()]
+        for d in done:
+            d.result()
     return out
 
 

@@ -90,3 +90,22 @@ def moe_config(**overrides: Any) -> Any:
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         max_position_embeddings=64), **overrides})
+
+
+def export_onnx(ckpt: str, paths: dict[int, str]) -> None:
+    """The checkpoint exported with torch.onnx.export(dynamo=True) to paths[opset] at each opset,
+    with a dynamic batch and sequence, as deployment exports usually are."""
+    import warnings
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    for opset, path in paths.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(model, (), kwargs={"input_ids": ids, "use_cache": False}, dynamo=True,
+                                     opset_version=opset, verbose=False,
+                                     dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "use_cache": None})
+        prog.save(path)

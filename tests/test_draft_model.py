@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from compile_pool import CompilePool
 from hf_models import save_checkpoint
 from program_log import record_programs
 
@@ -15,7 +16,6 @@ from npuc.apps.draft_model import DraftModel
 from npuc.apps.sampling import GREEDY, SamplingParams
 from npuc.apps.scheduler import Scheduler
 from npuc.apps.speculative import SpeculativeConfig
-from npuc.compiler.driver import compile_model
 from npuc.errors import NpucError
 from npuc.runtime.native_session import NativeSession, runtime_library
 
@@ -30,15 +30,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("draft")
     save_checkpoint("llama", str(root / "target"))
     save_checkpoint("qwen2", str(root / "other"), seed=5)  # the same 128-token vocabulary
-    common = dict(input_shape="input_ids:2,8", max_seq_len=MAX_SEQ)
-    return {"target": Path(compile_model(str(root / "target"), speculative_tokens=K, output=str(root / "t"),
-                                         **common)),  # type: ignore[arg-type]
-            "other": Path(compile_model(str(root / "other"), output=str(root / "o"), **common)),  # type: ignore[arg-type]
-            # the same draft with a verify program: its catch-up feeds K + 1 tokens a step
-            "other_verify": Path(compile_model(str(root / "other"), speculative_tokens=K, output=str(root / "ov"),
-                                               **common)),  # type: ignore[arg-type]
-            "one_slot": Path(compile_model(str(root / "other"), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
-                                           output=str(root / "o1")))}
+    common: dict[str, Any] = dict(input_shape="input_ids:2,8", max_seq_len=MAX_SEQ)
+    with CompilePool() as pool:
+        oms = {"target": pool.compile(str(root / "target"), speculative_tokens=K, output=str(root / "t"), **common),
+               "other": pool.compile(str(root / "other"), output=str(root / "o"), **common),
+               # the same draft with a verify program: its catch-up feeds K + 1 tokens a step
+               "other_verify": pool.compile(str(root / "other"), speculative_tokens=K, output=str(root / "ov"),
+                                            **common),
+               "one_slot": pool.compile(str(root / "other"), input_shape="input_ids:1,8", max_seq_len=MAX_SEQ,
+                                        output=str(root / "o1"))}
+        return {name: Path(om.result()) for name, om in oms.items()}
 
 
 def _run(s: Any, config: SpeculativeConfig, draft: Any = None, n: int = 30,

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from compile_pool import CompilePool
 from hf_models import save_checkpoint
 from model_matrix import tiny_config
 from program_log import record_programs
@@ -42,12 +43,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
     save_checkpoint("llama", str(root / "llama"))
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(tiny_config("gemma2")).save_pretrained(str(root / "gemma2"))
-    out = {}
-    for name, (ckpt, extra) in CASES.items():
-        common: dict[str, Any] = dict(input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ, **extra)
-        out[name] = (Path(compile_model(str(root / ckpt), mixed_tokens=C, output=str(root / f"{name}-m"), **common)),
-                     Path(compile_model(str(root / ckpt), output=str(root / f"{name}-p"), **common)))
-    return out
+    with CompilePool() as pool:
+        oms = {}
+        for name, (ckpt, extra) in CASES.items():
+            common: dict[str, Any] = dict(input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ, **extra)
+            oms[name] = (pool.compile(str(root / ckpt), mixed_tokens=C, output=str(root / f"{name}-m"), **common),
+                         pool.compile(str(root / ckpt), output=str(root / f"{name}-p"), **common))
+        return {name: (Path(m.result()), Path(p.result())) for name, (m, p) in oms.items()}
 
 
 def _serve(s: Any) -> tuple[list[list[int]], int]:

@@ -17,16 +17,18 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from compile_pool import CompilePool
 from onnx import TensorProto, helper
 
 from npuc.errors import NpucError
 from npuc.onnx_backend import (
     CaseResult,
     NpucBackend,
+    case_dirs,
     failures,
     out_of_scope,
     report,
-    run_conformance,
+    run_cases,
     summary,
 )
 
@@ -37,7 +39,11 @@ MIN_EXTENDED_PASS_RATE = 0.95
 
 @pytest.fixture(scope="module")
 def results() -> list[CaseResult]:
-    return run_conformance()
+    """Every case, in two worker processes (each compiles and runs half the cases)."""
+    dirs = case_dirs()
+    with CompilePool() as pool:
+        halves = [pool.run(run_cases, dirs[i::2]) for i in range(2)]
+        return [r for half in halves for r in half.result()]
 
 
 def _listing(fails: list[CaseResult]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compile_pool import CompilePool
 from hf_models import COMMON, hf_greedy, make_config, moe_config
 
 from npuc.compiler.driver import compile_model
@@ -100,16 +101,19 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     import transformers as tf
 
     out = {}
-    for name, (config, world, ep) in MODELS.items():
-        root = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(config()).eval()
-        model.save_pretrained(root / "ckpt")
-        one = compile_model(str(root / "ckpt"), input_shape=f"input_ids:1,{PREFILL}", output=str(root / "one"),
-                            max_seq_len=MAX_SEQ)
-        tp = compile_model(str(root / "ckpt"), input_shape=f"input_ids:1,{PREFILL}", output=str(root / "tp"),
-                           max_seq_len=MAX_SEQ, tp=world, ep=ep)
-        out[name] = {"root": root, "hf": model, "one": one, "tp": tp, "world": world}
+    with CompilePool() as pool:  # in worker processes, while this one builds the next checkpoint
+        for name, (config, world, ep) in MODELS.items():
+            root = tmp_path_factory.mktemp(name)
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(config()).eval()
+            model.save_pretrained(root / "ckpt")
+            one = pool.compile(str(root / "ckpt"), input_shape=f"input_ids:1,{PREFILL}", output=str(root / "one"),
+                               max_seq_len=MAX_SEQ)
+            tp = pool.compile(str(root / "ckpt"), input_shape=f"input_ids:1,{PREFILL}", output=str(root / "tp"),
+                              max_seq_len=MAX_SEQ, tp=world, ep=ep)
+            out[name] = {"root": root, "hf": model, "one": one, "tp": tp, "world": world}
+        for m in out.values():
+            m["one"], m["tp"] = m["one"].result(), m["tp"].result()
     return out
 
 

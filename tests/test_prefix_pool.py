@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from compile_pool import CompilePool
 from hf_models import save_checkpoint
 
 from npuc.backend.om_format import OmFile
@@ -46,10 +47,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_checkpoint(arch, str(root / arch))
     specs = {"one": ("llama", 1, {}), "slots": ("llama", 2, {}), "int8": ("llama", 2, {"kv_cache_dtype": "int8"}),
              "mla": ("deepseek_v3", 2, {}), "plain": ("llama", 2, {"prefix_cache": None})}
-    return {name: Path(compile_model(str(root / arch), input_shape=f"input_ids:{slots},{PREFILL}",
-                                     max_seq_len=MAX_SEQ, output=str(root / name),
-                                     **{"prefix_cache": ENTRIES, **kw}))  # type: ignore[arg-type]
-            for name, (arch, slots, kw) in specs.items()}
+    with CompilePool() as pool:
+        oms = {name: pool.compile(str(root / arch), input_shape=f"input_ids:{slots},{PREFILL}", max_seq_len=MAX_SEQ,
+                                  output=str(root / name), **{"prefix_cache": ENTRIES, **kw})
+               for name, (arch, slots, kw) in specs.items()}
+        return {name: Path(om.result()) for name, om in oms.items()}
 
 
 def _open(kind: str, om: Path) -> Any:

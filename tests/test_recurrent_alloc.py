@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from compile_pool import CompilePool
 from model_matrix import tiny_config
 
-from npuc.compiler.driver import compile_model
 from npuc.runtime import Session, native
 
 FAMILIES = {"mamba2": "selective_scan_state", "qwen3_5_text": "gated_delta_rule_state"}
@@ -31,14 +31,15 @@ def slot_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if native.library() is None:
         pytest.skip("the native runtime cannot be built here (no C compiler, or NPUC_NATIVE=0)")
     root = tmp_path_factory.mktemp("recurrent_alloc")
-    out = {}
-    for fam in FAMILIES:
-        torch.manual_seed(0)
-        folder = root / fam
-        tf.AutoModelForCausalLM.from_config(tiny_config(fam)).eval().save_pretrained(str(folder))
-        out[fam] = Path(compile_model(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
-                                      output=str(root / fam)))
-    return out
+    with CompilePool() as pool:  # in worker processes, while this one saves the next checkpoint
+        oms = {}
+        for fam in FAMILIES:
+            torch.manual_seed(0)
+            folder = root / fam
+            tf.AutoModelForCausalLM.from_config(tiny_config(fam)).eval().save_pretrained(str(folder))
+            oms[fam] = pool.compile(str(folder), input_shape=f"input_ids:{SLOTS},{PREFILL}", max_seq_len=MAX_SEQ,
+                                    output=str(root / fam))
+        return {fam: Path(om.result()) for fam, om in oms.items()}
 
 
 def _prefill_every_slot(s: Session) -> None:

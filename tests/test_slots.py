@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compile_pool import CompilePool
 from hf_models import GEN_ARCHS, GEN_MAX_SEQ, GEN_PREFILL
 
 from npuc.apps.generate import steps
@@ -35,14 +36,16 @@ def slot_models(hf_checkpoints: dict[str, Path], moe_checkpoint: Path, gen_model
     """(one slot, SLOTS slots) per architecture."""
     root = tmp_path_factory.mktemp("slots")
     ckpts = {**hf_checkpoints, "deepseek_v3_moe": moe_checkpoint}
-    out = {}
-    for arch in ARCHS:
-        one = gen_models.get(arch) or Path(compile_model(str(ckpts[arch]), input_shape=f"input_ids:1,{GEN_PREFILL}",
-                                                         max_seq_len=GEN_MAX_SEQ, output=str(root / f"{arch}1")))
-        many = compile_model(str(ckpts[arch]), input_shape=f"input_ids:{SLOTS},{GEN_PREFILL}", max_seq_len=GEN_MAX_SEQ,
-                             output=str(root / arch))
-        out[arch] = (one, Path(many))
-    return out
+    with CompilePool() as pool:
+        oms = {}
+        for arch in ARCHS:
+            one = pool.compile(str(ckpts[arch]), input_shape=f"input_ids:1,{GEN_PREFILL}", max_seq_len=GEN_MAX_SEQ,
+                               output=str(root / f"{arch}1")) if arch not in gen_models else None
+            many = pool.compile(str(ckpts[arch]), input_shape=f"input_ids:{SLOTS},{GEN_PREFILL}",
+                                max_seq_len=GEN_MAX_SEQ, output=str(root / arch))
+            oms[arch] = (one, many)
+        return {arch: (gen_models[arch] if one is None else Path(one.result()), Path(many.result()))
+                for arch, (one, many) in oms.items()}
 
 
 def _alone(om: Path, prompt: list[int], new: int) -> list[tuple[int, torch.Tensor]]:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compile_pool import CompilePool
 from hf_models import GEN_ARCHS, save_checkpoint
 from program_log import record_programs
 
@@ -34,13 +35,14 @@ COOL = SamplingParams(temperature=0.03, top_k=8, seed=11)
 @pytest.fixture(scope="module")
 def spec_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spec")
-    out = {}
-    for arch in GEN_ARCHS:
-        save_checkpoint(arch, str(root / arch))
-        slots = 2 if arch == "llama" else 1
-        out[arch] = Path(compile_model(str(root / arch), input_shape=f"input_ids:{slots},8", max_seq_len=MAX_SEQ,
-                                       speculative_tokens=K, output=str(root / f"{arch}_spec")))
-    return out
+    with CompilePool() as pool:  # in worker processes, while this one saves the next checkpoint
+        oms = {}
+        for arch in GEN_ARCHS:
+            save_checkpoint(arch, str(root / arch))
+            slots = 2 if arch == "llama" else 1
+            oms[arch] = pool.compile(str(root / arch), input_shape=f"input_ids:{slots},8", max_seq_len=MAX_SEQ,
+                                     speculative_tokens=K, output=str(root / f"{arch}_spec"))
+        return {arch: Path(om.result()) for arch, om in oms.items()}
 
 
 def _run(s: Any, prompts: list[list[int]], config: SpeculativeConfig, sampling: SamplingParams = GREEDY,
