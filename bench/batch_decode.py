@@ -141,8 +141,8 @@ def load_test(work: Path, ckpt: Path, s: Sizes, quick: bool) -> list[dict[str, A
             compile_model(str(ckpt), input_shape=f"input_ids:{b},{s.prompt}", max_seq_len=s.max_len,
                           soc_version="cpu", mixed_tokens=c, output=str(mixed)[:-3])
         oms.append(mixed)
-    return [serve_load.run(om, s.vocab, s.prompt, s.new, requests=8 if quick else 40, limit=120 if quick else 900)
-            for om in oms]
+    return [serve_load.run(om, s.vocab, s.prompt, s.new, requests=8 if quick else 40, limit=120 if quick else 900,
+                           floor_rounds=1 if quick else 10) for om in oms]
 
 
 def render(batch: dict[str, Any]) -> list[str]:

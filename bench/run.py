@@ -1135,7 +1135,8 @@ def main(argv: list[str] | None = None) -> None:
         res = json.loads(src.read_text())
         res["sizes"] = Sizes(**res["sizes"])
         res["plot"] = plot(res, src.parent / "bench-decode.png")
-        src.with_suffix(".md").write_text(render(res))
+        out = src.with_suffix(".md")
+        out.write_text(keep_sections(out, render(res)))
         return
     s = QUICK if args.quick else FULL
     threads = torch.get_num_threads()

@@ -9,6 +9,8 @@ request (`/v1/completions`, `stream: true`) from its own thread and stamps each 
 arrives. Capacity is measured first (SLOTS requests at once: completions per second);
 steady: requests arrive at half of it, evenly spaced; saturation: all at once. Each phase
 is bounded by the request count and a time limit. Prompts are `prompt` random token ids.
+First (--floor-rounds) the same model decodes alone in this process, every slot busy, no
+server: its step P99/P50 is the host's own, the floor under the load's ITL P99/P50.
 """
 
 from __future__ import annotations
@@ -100,10 +102,47 @@ def phase(client: Client, prompts: list[list[int]], new: int, interval: float, l
             "interval_s": interval}
 
 
-def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: float,
-        rate: float | None = None) -> dict[str, Any]:
+def alone(om: Path, vocab: int, prompt_len: int, new: int, rounds: int) -> dict[str, Any]:
+    """The host's own floor under the ITL target: the model's decode steps with every slot
+    busy, timed in a loop in this process (the scheduler on the C executor, no server, no
+    admissions beside them), each round SLOTS requests of the load's prompt and new lengths
+    at once. Only steps that gave every slot a token (or C of them) count, the first 8 of a
+    round left out."""
     import random
 
+    from npuc.apps.scheduler import Scheduler
+    from npuc.runtime.native_session import NativeSession
+
+    session = NativeSession(str(om))
+    try:
+        sched = Scheduler(session)
+        slots = sched.slots
+        rng = random.Random(1)
+        steps: list[float] = []
+        for _ in range(rounds):
+            for _ in range(slots):
+                sched.submit([rng.randrange(3, vocab) for _ in range(prompt_len)], new, True)
+            n = 0
+            while not sched.idle:
+                t0 = time.perf_counter()
+                events = sched.step()
+                t1 = time.perf_counter()
+                if len({e.request for e in events if e.token is not None}) == slots:
+                    n += 1
+                    if n > 8:
+                        steps.append(t1 - t0)
+    finally:
+        session.close()
+    return {"steps": len(steps), "step_p50_ms": 1e3 * pct(steps, 50), "step_p99_ms": 1e3 * pct(steps, 99),
+            "p99_over_p50": pct(steps, 99) / pct(steps, 50) if steps else float("nan")}
+
+
+def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: float,
+        rate: float | None = None, floor_rounds: int = 0) -> dict[str, Any]:
+    """The load test of om; with floor_rounds, first alone()'s floor over that many rounds."""
+    import random
+
+    floor = alone(om, vocab, prompt_len, new, floor_rounds) if floor_rounds else None
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "npuc", "serve", str(om), "--port", str(port),
                              "--max-queue", str(max(requests, 1))], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -131,7 +170,8 @@ def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: f
         rng = random.Random(0)
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
         client = Client(port)
-        # capacity: every slot busy (and a warm-up)
+        # a warm-up with every slot busy, whose completions per second set the steady rate (the
+        # capacity reported is the saturation phase's, over every request)
         cap = phase(client, prompts[:slots], new, 0.0, limit)
         per_s = rate or cap["completed"] / cap["wall_s"]
         steady = phase(client, prompts, new, 1.0 / (0.5 * per_s) if not rate else 1.0 / rate, limit)
@@ -140,8 +180,9 @@ def run(om: Path, vocab: int, prompt_len: int, new: int, requests: int, limit: f
         proc.terminate()
         proc.wait(timeout=120)
     return {"slots": slots, "prompt": prompt_len, "new": new, "capacity_req_per_s": per_s,
+            "saturation_req_per_s": saturated["completed"] / saturated["wall_s"],
             "steady": steady, "saturation": saturated, "exit_code": proc.returncode, "decode_tokens": tokens,
-            "mixed_tokens": mixed}
+            "mixed_tokens": mixed, "alone": floor}
 
 
 def _flag(load: dict[str, Any]) -> str:
@@ -151,14 +192,21 @@ def _flag(load: dict[str, Any]) -> str:
     return f"--decode_tokens {load.get('decode_tokens', 1)}"
 
 
+def _capacity(load: dict[str, Any]) -> float:
+    """Completions per second at saturation (every request at once); a run from before that
+    figure was kept: its warm-up's (SLOTS requests at once)."""
+    return float(load.get("saturation_req_per_s") or load["capacity_req_per_s"])
+
+
 def render(loads: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
     """The section: one model per run, each at the steady load and at saturation."""
     loads = [loads] if isinstance(loads, dict) else loads
     first = loads[0]
     lines = ["", "## Serving under load", "",
              f"bench/serve_load.py: `npuc serve` ({first['slots']} slots) on loopback, every request streamed, "
-             f"{first['prompt']} prompt tokens and {first['new']} new ones each. Capacity: completions per second "
-             "with every slot busy. Steady: requests evenly spaced at half the capacity; saturation: all at once. "
+             f"{first['prompt']} prompt tokens and {first['new']} new ones each. Steady: requests evenly spaced at "
+             "half the completions per second of a warm-up with every slot busy; saturation: all at once. "
+             "Capacity: the saturation phase's completions per second. "
              "The models are timed one after the other in the same run. With `--decode_tokens C` > 1 a decode "
              "step runs C tokens of each slot, and a request admitted while others decode feeds its prompt "
              "through those steps instead of a prefill. With `--mixed_tokens C` a request admitted while "
@@ -174,15 +222,19 @@ def render(loads: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
                          f"{d['tok_per_s']:.1f} | {d['ttft_p50_ms']:.0f} | {d['ttft_p99_ms']:.0f} | "
                          f"{d['itl_p50_ms']:.1f} | {d['itl_p99_ms']:.1f} | {d['itl_p99_over_p50']:.2f} |")
     lines.append("")
-    base = next((load["capacity_req_per_s"] for load in loads
+    base = next((_capacity(load) for load in loads
                  if not load.get("mixed_tokens") and load.get("decode_tokens", 1) == 1), None)
     for load in loads:
         ratio = load["steady"]["itl_p99_over_p50"]
-        cap = load["capacity_req_per_s"]
+        cap = _capacity(load)
         versus = f" ({cap / base:.2f}x `--decode_tokens 1`'s)" if base and _flag(load) != "--decode_tokens 1" else ""
+        floor = load.get("alone")
+        host = (f" (the same model decoding alone, every slot busy, no server, just before: step P99/P50 "
+                f"{floor['p99_over_p50']:.2f}x over {floor['steps']} steps, P50 {floor['step_p50_ms']:.1f} ms)"
+                if floor and floor["steps"] else "")
         lines.append(f"- `{_flag(load)}`: capacity {cap:.2f} requests/s{versus}; ITL P99 at most 1.3x its P50 at "
-                     f"the steady load: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'missed'}); exit code after "
-                     f"SIGTERM: {load['exit_code']}.")
+                     f"the steady load: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'missed'}){host}; exit code "
+                     f"after SIGTERM: {load['exit_code']}.")
     if any(load["steady"]["itl_p99_over_p50"] > 1.3 for load in loads):
         lines += ["", "Where it is missed: without a mixed step, a newly admitted request's prefill runs between "
                       "two decode steps, so the requests already decoding wait for it; at the steady load that "
@@ -203,8 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=None, help="steady requests/s (default: half the capacity)")
     ap.add_argument("--time-limit", type=float, default=300)
+    ap.add_argument("--floor-rounds", type=int, default=10, help="rounds of the model decoding alone first, the "
+                    "host's own step P99/P50 (0: none)")
     args = ap.parse_args(argv)
-    load = run(Path(args.om), args.vocab, args.prompt, args.new, args.requests, args.time_limit, args.rate)
+    load = run(Path(args.om), args.vocab, args.prompt, args.new, args.requests, args.time_limit, args.rate,
+               args.floor_rounds)
     print(json.dumps(load, indent=2))
     print("\n".join(render(load)), file=sys.stderr)
     sys.exit(0 if load["steady"]["completed"] and not load["steady"]["errors"] else 1)
