@@ -32,7 +32,7 @@ from npuc.errors import EXIT_IO, EXIT_USAGE, NpucError
 from npuc.ir import DType, OpDef, get_op
 from npuc.runtime import native
 from npuc.runtime.launch import Bound, Launchers, tail_rows_read
-from npuc.runtime.om_validate import attr_value, position_rows, validate_model
+from npuc.runtime.om_validate import E_INVALID, attr_value, position_rows, validate_model
 
 
 def check_prefix_args(entries: int, slots: int, rows: int, slot: int, entry: int, n: int) -> None:
@@ -193,7 +193,9 @@ class Session:
         """Slot `slot`'s recurrent states as they were after row `row` of the last verify step:
         each `<state>.by_row` [slots, 1, K, n] (passes/recurrent_state.py) gives its copy back,
         row K (all kept) none (npuc_session_rollback's rule and refusals)."""
-        pairs = self._rollback_pairs
+        pairs, bad = self._rollback_pairs
+        if bad is not None:  # nothing is copied from a model whose copies are not all well formed
+            raise NpucError(E_INVALID, bad, "recompile the model with this npuc")
         if not pairs:
             raise NpucError("NPUC-E0108", "the model keeps no recurrent state by verify row: there is nothing to "
                             "roll back", "compile the model with --speculative_tokens K")
@@ -207,11 +209,35 @@ class Session:
             state[slot].copy_(by_row[slot, 0, row].reshape(state.shape[1:]))
 
     @functools.cached_property
-    def _rollback_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(state, its copies by verify row) views, found by name once (rollback runs every step)."""
-        states = {t.name: i for i, t in enumerate(self.tensors) if t.region == "state"}
-        return [(self.views[states[n[:-len(ROLLBACK_SUFFIX)]]], self.views[i]) for n, i in states.items()
-                if n.endswith(ROLLBACK_SUFFIX) and n[:-len(ROLLBACK_SUFFIX)] in states]
+    def _rollback_pairs(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+        """(state, its copies by verify row) views, found once (rollback runs every step), by
+        libnpucrt's rules (decode.c, rollback_setup): each `<name>.by_row` [B, 1, K, n] beside the
+        state `<name>` [B, ...] of n values a slot, the same dtype, every pair with the same K.
+        A `.by_row` state that is not such a copy: no pairs, and why (the model still runs; its
+        rollbacks are refused)."""
+        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
+        tensors = self.model.tensors
+        own = [i for i, t in enumerate(tensors) if t.region == "state" and not t.HasField("base") and i not in pools]
+        states: dict[str, int] = {}
+        for i in own:
+            states.setdefault(tensors[i].name, i)
+        b, k = self._slots, 0
+        pairs = []
+        for i in own:
+            r = tensors[i]
+            if not r.name.endswith(ROLLBACK_SUFFIX):
+                continue
+            j = states.get(r.name[:-len(ROLLBACK_SUFFIX)], -1)
+            t = tensors[j] if j >= 0 else None
+            if (t is None or t.dtype != r.dtype or len(r.shape) != 4 or r.shape[0] != b or r.shape[1] != 1
+                    or r.shape[2] < 1 or len(t.shape) < 1 or t.shape[0] != b or t.nbytes % b
+                    or r.nbytes % (b * r.shape[2]) or r.nbytes // b // r.shape[2] != t.nbytes // b):
+                return [], f"state {r.name} does not hold one copy of its state per slot and verify row"
+            if k and r.shape[2] != k:
+                return [], f"state {r.name} keeps {r.shape[2]} rows, another {k}"
+            k = r.shape[2]
+            pairs.append((self.views[j], self.views[i]))
+        return pairs, None
 
     @property
     def prefix_entries(self) -> int:

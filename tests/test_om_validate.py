@@ -13,14 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from om_edit import Edit, rewrite
 
-from npuc.backend.om_format import WEIGHTS_ALIGN, OmFile, OmWriter
-from npuc.backend.om_sections import MODEL_SECTIONS, join_model, split_model
 from npuc.errors import NpucError
 from npuc.runtime import Session
 from npuc.tools.om_tools import validate_om
-
-Edit = Callable[[Any], None]
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +27,6 @@ def gen_om(hf_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     out = tmp_path_factory.mktemp("validate") / "llama"
     return Path(compile_model(str(hf_checkpoints["llama"]), input_shape="input_ids:1,8", output=str(out),
                               max_seq_len=32, soc_version="cpu"))
-
-
-def rewrite(src: Path, dst: Path, edit: Edit | None = None, sections: dict[str, bytes] | None = None) -> Path:
-    """A copy of `src` with its model definition edited and sections replaced or added,
-    every checksum valid (as an attacker re-seals them)."""
-    with OmFile.open(src) as om:
-        m = join_model(str(src), {name: bytes(om.section(name)) for name in MODEL_SECTIONS})
-        if edit is not None:
-            edit(m)
-        extra = {n: bytes(om.section(n)) for n in om.section_names()
-                 if n not in MODEL_SECTIONS and n not in ("weights", "weights.xxh3", "modeldef")}  # the writer's own
-        extra.update(sections or {})
-        with om.section("weights") as w, OmWriter(dst) as out:
-            for name, data in split_model(m).items():
-                out.add_section(name, data)
-            for name, data in extra.items():
-                out.add_section(name, data)
-            out.add_section("weights", w, WEIGHTS_ALIGN)
-    return dst
 
 
 def _tensor(m: Any, pred: Callable[[Any], bool]) -> Any:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from compile_pool import CompilePool
 from model_matrix import tiny_config
+from om_edit import rewrite
 
 from npuc.apps.generate import steps
 from npuc.apps.scheduler import Scheduler
@@ -387,6 +388,27 @@ def test_rollback_restores_a_rows_state_and_refuses_what_it_cannot(
         with pytest.raises(NpucError) as e:
             make(str(one)).rollback(0, 0)
         assert e.value.code == "NPUC-E0108" and "--speculative_tokens" in (e.value.hint or "")
+
+
+def test_a_copy_by_row_without_its_state_is_refused_at_rollback(recurrent_models: Models, tmp_path: Path) -> None:
+    """A hostile file (every checksum re-sealed) whose `.by_row` copies no longer pair with
+    their state (the state renamed): both runtimes load it and run it, and refuse every
+    rollback with NPUC-E0410 naming the copy, and roll back nothing (the other pairs neither)."""
+    from npuc.runtime.native_session import NativeSession, runtime_library
+
+    def rename(m: Any) -> None:
+        next(t for t in m.tensors if t.name == "conv_window.0").name = "conv_window.0.renamed"
+
+    om = rewrite(recurrent_models["mamba2"][2], tmp_path / "renamed.om", rename)
+    for make in [Session.load] + ([NativeSession] if runtime_library() is not None else []):
+        s = make(str(om))
+        ids, pos = np.zeros((SLOTS, K + 1), np.int64), np.tile(np.arange(K + 1), (SLOTS, 1))
+        s.run({"input_ids": ids, "position": pos}, "verify")
+        before = s.state.clone() if isinstance(s, Session) else None  # (the C session's state is its own)
+        with pytest.raises(NpucError) as e:
+            s.rollback(0, 0)
+        assert e.value.code == "NPUC-E0410" and "conv_window.0.by_row" in e.value.message, (make, e.value)
+        assert before is None or torch.equal(s.state, before)
 
 
 def test_several_decode_tokens_beside_a_recurrence_are_refused(
