@@ -14,6 +14,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -37,8 +38,8 @@ class CompilePool:
     Leaving the block cancels the compiles it submitted that have not started."""
 
     def __init__(self) -> None:
-        jobs = int(os.environ.get("NPUC_MATRIX_JOBS", "2"))
-        self._pool = _shared(jobs) if jobs > 1 else None
+        self._jobs = int(os.environ.get("NPUC_MATRIX_JOBS", "2"))
+        self._pool = _shared(self._jobs) if self._jobs > 1 else None
         self._submitted: list[Future[Any]] = []
 
     def compile(self, path: str, **kw: Any) -> Future[str]:
@@ -47,7 +48,12 @@ class CompilePool:
     def run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> Future[T]:
         """fn(*args, **kw) in a worker: fn a module-level function, its arguments and result picklable."""
         if self._pool is not None:
-            self._submitted.append(self._pool.submit(fn, *args, **kw))
+            try:
+                self._submitted.append(self._pool.submit(fn, *args, **kw))
+            except BrokenProcessPool:  # a worker died (in an earlier fixture): fresh workers for the rest
+                _workers.clear()
+                self._pool = _shared(self._jobs)
+                self._submitted.append(self._pool.submit(fn, *args, **kw))
             return self._submitted[-1]
         done: Future[T] = Future()
         done.set_result(fn(*args, **kw))
