@@ -6,9 +6,10 @@ saturation.
 
 The server runs in its own process (`npuc serve OM --port P`); the client streams every
 request (`/v1/completions`, `stream: true`) from its own thread and stamps each token as it
-arrives. Capacity is measured first (SLOTS requests at once: completions per second);
-steady: requests arrive at half of it, evenly spaced; saturation: all at once. Each phase
-is bounded by the request count and a time limit. Prompts are `prompt` random token ids.
+arrives. A warm-up runs first (SLOTS requests at once); steady: requests arrive at half its
+completions per second, evenly spaced; saturation: all at once, whose completions per
+second are the capacity reported. Each phase is bounded by the request count and a time
+limit. Prompts are `prompt` random token ids.
 First (--floor-rounds) the same model decodes alone in this process, every slot busy, no
 server: its step P99/P50 is the host's own, the floor under the load's ITL P99/P50.
 """
