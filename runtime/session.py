@@ -109,12 +109,12 @@ class Session:
         self.arena_bytes = checked.arena_bytes
         self.state_bytes = checked.state_bytes
         self._cache_rows = position_rows(model)
-        # --prefix_cache's pool: state tensors beside the caches, which no program uses
+        # --prefix_cache's pool: state tensors beside the caches, which no program uses (_pools: their indices)
         self._prefix = checked.prefix
-        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
+        self._pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
         # Sequences the KV cache holds (its batch), where prefill fills one by its `slot` input.
         self._slots = min((int(t.shape[0]) for i, t in enumerate(model.tensors)
-                           if t.region == "state" and len(t.shape) == 4 and i not in pools), default=0)
+                           if t.region == "state" and len(t.shape) == 4 and i not in self._pools), default=0)
         self._index_rows = {p.name: self._tables(p) for p in self.programs.values()}
         self.arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=self.device)
         self.state = torch.zeros(self.state_bytes, dtype=torch.uint8, device=self.device)
@@ -178,7 +178,7 @@ class Session:
         slots = self._slots
         if not (0 <= src < slots and 0 <= dst < slots):
             raise NpucError("NPUC-E0108", f"copy from slot {src} to slot {dst}", f"slots are 0..{slots - 1}")
-        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
+        pools = self._pools
         pooled = {(self.tensors[p].offset, self.tensors[p].nbytes) for p in pools}
         regions = {(t.offset, t.nbytes) for t in self.tensors if t.region == "state"} - pooled
         if any(t.region == "state" and i not in pools and (not t.shape or t.shape[0] != slots)
@@ -215,9 +215,9 @@ class Session:
         state `<name>` [B, ...] of n values a slot, the same dtype, every pair with the same K.
         A `.by_row` state that is not such a copy: no pairs, and why (the model still runs; its
         rollbacks are refused)."""
-        pools = {p for _, p, _ in self._prefix.states} if self._prefix is not None else set()
         tensors = self.model.tensors
-        own = [i for i, t in enumerate(tensors) if t.region == "state" and not t.HasField("base") and i not in pools]
+        own = [i for i, t in enumerate(tensors)
+               if t.region == "state" and not t.HasField("base") and i not in self._pools]
         states: dict[str, int] = {}
         for i in own:
             states.setdefault(tensors[i].name, i)
